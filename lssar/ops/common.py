@@ -1,0 +1,141 @@
+"""Argument checks, masks and row statistics shared by every attention implementation.
+
+Conventions (all implementations):
+- layout ``[B, H, T, D]``; ``key``/``value`` may have fewer heads than ``query`` when
+  ``enable_gqa=True`` (``H_q`` divisible by ``H_kv``; head ``h`` reads kv head ``h // (H_q/H_kv)``,
+  as in SDPA).
+- ``attn_mask`` is boolean, ``True`` = may attend, broadcastable to ``[B, H, T_q, T_k]``; it can be
+  combined with ``is_causal`` (unlike SDPA, both may be given: padding + causal).
+- causal alignment when ``T_q != T_k`` (KV cache): query ``t`` of a length-``T_q`` block sits at
+  absolute position ``T_k - T_q + t`` and sees keys ``0 .. T_k - T_q + t`` (bottom-right, as
+  FlashAttention >= 2.1; SDPA's ``is_causal`` is top-left, so it differs from SDPA only there).
+- ``N_i`` = number of keys query ``i`` may attend to under the combined mask.
+- rows with ``N_i = 0`` produce zeros and zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_inputs(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> None:
+    """Raise a ``ValueError`` naming the argument when the inputs break the attention contract."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dims [B, H, T, D], got shape {tuple(t.shape)}; "
+                "for [B, T, H, D] inputs call .transpose(1, 2) first"
+            )
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(
+            f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError("query, key, value must be on the same device")
+    bq, hq, _, dq = query.shape
+    bk, hk, tk, dk = key.shape
+    bv, hv, tv, _ = value.shape
+    if not (bq == bk == bv):
+        raise ValueError(f"batch sizes differ: query {bq}, key {bk}, value {bv}")
+    if dq != dk:
+        raise ValueError(f"query and key head dims differ: {dq} vs {dk}")
+    if (hk, tk) != (hv, tv):
+        raise ValueError(
+            f"key and value must share heads and length, got key {tuple(key.shape)}, "
+            f"value {tuple(value.shape)}"
+        )
+    if hq != hk:
+        if not enable_gqa:
+            raise ValueError(
+                f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for "
+                "grouped-query attention"
+            )
+        if hq % hk:
+            raise ValueError(
+                f"enable_gqa needs query heads ({hq}) divisible by key/value heads ({hk})"
+            )
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
+            got = attn_mask.dtype if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+            raise ValueError(
+                f"attn_mask must be a boolean tensor (True = may attend), got {got}; "
+                "convert an additive float mask with `mask == 0`"
+            )
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (bq, hq, query.shape[2], tk))
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"[B, H, T_q, T_k] = {[bq, hq, query.shape[2], tk]}"
+            ) from None
+        if attn_mask.dim() > 4:
+            raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device, q_start: int = 0) -> Tensor:
+    """Bottom-right aligned causal mask for query rows ``q_start .. q_start + t_q``.
+
+    Returns a bool tensor ``(t_q, t_k)``; query row ``i`` (of a block of ``T_q`` rows overall)
+    sees key ``j`` iff ``j <= T_k - T_q + i``. ``q_start`` and the offset are folded by the caller
+    through ``offset = T_k - T_q``; here ``q_start`` is already the absolute offset of row 0.
+    """
+    i = torch.arange(t_q, device=device).unsqueeze(-1) + q_start
+    j = torch.arange(t_k, device=device)
+    return j <= i  # (t_q, t_k)
+
+
+def combined_mask(
+    attn_mask: Tensor | None, is_causal: bool, t_q: int, t_k: int, device: torch.device
+) -> Tensor | None:
+    """The full boolean visibility mask (broadcastable to ``[B, H, T_q, T_k]``) or ``None``."""
+    mask = causal_mask(t_q, t_k, device, q_start=t_k - t_q) if is_causal else None
+    if attn_mask is not None:
+        mask = attn_mask if mask is None else (attn_mask & mask)
+    return mask
+
+
+def visible_counts(mask: Tensor | None, t_q: int, t_k: int, device: torch.device) -> Tensor:
+    """``N_i``: keys each query row may attend to, as float32 broadcastable to ``[B,H,T_q,1]``."""
+    if mask is None:
+        return torch.full((1, 1, 1, 1), float(t_k), device=device)
+    return mask.sum(-1, keepdim=True, dtype=torch.float32)  # (.., T_q, 1)
+
+
+def expand_kv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Repeat key/value heads for grouped-query attention (differentiable; dk/dv sum over groups)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics are computed in float32 for half inputs; float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def length_scale(n: Tensor, d: int) -> Tensor:
+    """LSSA's length scale ``c_i = ln(d) * ln(N_i)`` (0 for rows with ``N_i <= 1``)."""
+    return math.log(d) * torch.log(n.clamp_min(1.0))

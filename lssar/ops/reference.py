@@ -1,0 +1,141 @@
+"""Readable, materialised (T_q x T_k) implementations of every variant: the ground truth.
+
+Each variant is two stages (METHOD.md sections 3-4):
+
+1. ``normalise``: scores -> non-negative weights ``a = phi(s) * M``, l1-normalised to ``A`` when the
+   variant is normalised;
+2. ``reweight`` (optional, any l1 variant): ``x = ReLU(N_i A - O_i)`` with ``O_i = 1`` for
+   ``N_i > 3`` else 0, ``P = x^p / sum_j x^p``. Computed as ``r = x / max_j x`` first: the same
+   weights, but ``x^p`` can neither overflow nor underflow a whole row. A row whose ``x`` are all 0
+   (every visible weight equal) falls back to ``A``.
+
+Memory is O(T_q T_k); use it for checking and for short sequences. See ``lssar.ops.common`` for
+the mask, GQA and KV-cache conventions shared by all implementations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lssar.ops.common import (
+    combined_mask,
+    compute_dtype,
+    expand_kv,
+    length_scale,
+    visible_counts,
+)
+from lssar.ops.variants import Variant
+
+
+def scores(
+    q: Tensor, k: Tensor, n: Tensor, variant: Variant, scale: float | None, options: dict[str, Any]
+) -> Tensor:
+    """Scaled scores ``s_ij = c_i q_i.k_j`` ``(B, H, T_q, T_k)`` for ``q (B,H,T_q,D)``, ``k (B,H,T_k,D)``."""
+    d = q.shape[-1]
+    if variant.qk_norm:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    s = q @ k.transpose(-1, -2)  # (B, H, T_q, T_k)
+    if variant.scaling == "log_n":
+        return s * length_scale(n, d)
+    base = 1.0 / math.sqrt(d) if scale is None else scale
+    if variant.scaling == "ssmax":
+        s_h = torch.as_tensor(options["s"], dtype=s.dtype, device=s.device)
+        s_h = s_h.reshape(-1, 1, 1) if s_h.dim() == 1 else s_h  # (H, 1, 1) per head
+        return s * (s_h * torch.log(n.clamp_min(1.0)) * base)
+    return s * base
+
+
+def normalise(
+    s: Tensor, mask: Tensor | None, n: Tensor, variant: Variant, options: dict[str, Any]
+) -> Tensor:
+    """Stage 1: weights ``(B, H, T_q, T_k)``; masked entries and fully masked rows are 0."""
+    visible = torch.ones_like(s, dtype=torch.bool) if mask is None else mask.expand_as(s)
+    if variant.phi == "exp":
+        s = s.masked_fill(~visible, float("-inf"))  # exp(-inf) = 0 keeps masked grads finite
+        row_max = s.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        a = torch.exp(s - row_max)
+    elif variant.phi == "softplus":
+        a = F.softplus(s)
+    elif variant.phi == "relu":
+        a = F.relu(s)
+    elif variant.phi == "sigmoid":
+        bias = options.get("bias")
+        b = -torch.log(n.clamp_min(1.0)) if bias is None else bias
+        a = torch.sigmoid(s + b)
+    else:
+        raise AssertionError(variant.phi)
+    a = torch.where(visible, a, torch.zeros_like(a))
+    if variant.divide_by_n:
+        a = a / n.clamp_min(1.0).to(a.dtype)
+    if not variant.l1:
+        return a
+    z = a.sum(-1, keepdim=True)
+    return a / torch.where(z > 0, z, torch.ones_like(z))
+
+
+def reweight(weights: Tensor, n: Tensor, p: float) -> Tensor:
+    """Stage 2 (LSSAR re-weighting) of l1-normalised ``weights (B, H, T_q, T_k)``."""
+    n = n.to(weights.dtype)
+    offset = (n > 3).to(weights.dtype)  # O_i
+    x = F.relu(n * weights - offset)
+    x_max = x.amax(-1, keepdim=True)
+    has_mass = x_max > 0
+    r = x / torch.where(has_mass, x_max, torch.ones_like(x_max))  # in [0, 1]
+    w = r**p
+    sharpened = w / torch.where(has_mass, w.sum(-1, keepdim=True), torch.ones_like(x_max))
+    return torch.where(has_mass, sharpened, weights)
+
+
+def attention_weights(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    variant: Variant,
+    options: dict[str, Any],
+) -> Tensor:
+    """Final attention weights ``(B, H, T_q, T_k)`` in the compute dtype (float32/float64)."""
+    dtype = compute_dtype(query.dtype)
+    t_q, t_k = query.shape[-2], key.shape[-2]
+    if enable_gqa:
+        key, _ = expand_kv(query, key, key)
+    q, k = query.to(dtype), key.to(dtype)
+    mask = combined_mask(attn_mask, is_causal, t_q, t_k, q.device)
+    n = visible_counts(mask, t_q, t_k, q.device).to(dtype)
+    s = scores(q, k, n, variant, scale, options)
+    w = normalise(s, mask, n, variant, options)
+    p = options.get("p")
+    return w if p is None else reweight(w, n, p)
+
+
+def reference_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    variant: Variant,
+    options: dict[str, Any],
+) -> Tensor:
+    """Materialised attention ``(B, H_q, T_q, D_v)``; dropout (if any) acts on the final weights."""
+    w = attention_weights(
+        query, key, attn_mask, is_causal, scale, enable_gqa, variant=variant, options=options
+    )
+    if dropout_p > 0:
+        w = F.dropout(w, dropout_p, training=True)
+    if enable_gqa:
+        _, value = expand_kv(query, value, value)
+    return (w @ value.to(w.dtype)).to(query.dtype)

@@ -1,0 +1,150 @@
+"""The attention variants of the paper as data: a normaliser (stage 1) plus optional sharpening.
+
+A variant is the math; an implementation (``reference``, ``chunked``, ``sdpa``, ``triton``,
+``flex``) is the kernel. Every variant is ``weights = sharpen_p(normalise(scores))`` where
+
+- scores ``s_ij = c_i * q_i . k_j`` with ``q, k`` optionally L2-normalised and ``c_i`` one of
+  ``scale`` (default ``1/sqrt(d)``), ``ln(d) ln(N_i)`` (LSSA's length scale) or
+  ``s_h ln(N_i) scale`` (Scalable-Softmax);
+- ``phi`` maps scores to non-negative weights (exp, softplus, relu, sigmoid), optionally
+  l1-normalised per row;
+- sharpening (re-weighting, METHOD.md section 4) with power ``p`` applies to l1-normalised rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PHIS = ("exp", "softplus", "relu", "sigmoid")
+SCALINGS = ("sdpa", "log_n", "ssmax")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention rule. ``options`` maps each keyword option to its default."""
+
+    name: str
+    summary: str
+    phi: str
+    l1: bool
+    scaling: str = "sdpa"
+    qk_norm: bool = False
+    divide_by_n: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Defaults overlaid with ``options``; raises ``ValueError`` for unknown or bad values."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            valid = ", ".join(f"{k}={v!r}" for k, v in self.options.items()) or "none"
+            raise ValueError(
+                f"variant {self.name!r} takes no option {', '.join(map(repr, unknown))}; "
+                f"its options are: {valid}"
+            )
+        resolved = {**self.options, **options}
+        p = resolved.get("p")
+        if p is not None and not (
+            isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) and p > 0
+        ):
+            raise ValueError(
+                f"p must be a finite float > 0 (or None for no re-weighting), got {p!r}"
+            )
+        bias = resolved.get("bias")
+        if bias is not None and not (isinstance(bias, (int, float)) and math.isfinite(bias)):
+            raise ValueError(f"bias must be a finite float or None, got {bias!r}")
+        s = resolved.get("s")
+        if "s" in self.options and s is not None:
+            if not isinstance(s, (torch.Tensor, int, float)):
+                raise ValueError(f"s must be a float or a per-head tensor of shape [H], got {s!r}")
+            if isinstance(s, torch.Tensor) and s.dim() > 1:
+                raise ValueError(f"s must be a per-head tensor of shape [H], got {tuple(s.shape)}")
+        return resolved
+
+
+def _v(name: str, summary: str, phi: str, l1: bool, **kw: Any) -> Variant:
+    opts = kw.pop("options", {})
+    if l1:
+        opts = {"p": kw.pop("p", None), **opts}
+    return Variant(name, summary, phi, l1, options=opts, **kw)
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        _v("softmax", "softmax(q.k/sqrt(d)): the standard baseline", "exp", True),
+        _v(
+            "lssa",
+            "softplus(ln d ln N_i cos(q,k)), l1-normalised (paper stage 1)",
+            "softplus",
+            True,
+            scaling="log_n",
+            qk_norm=True,
+        ),
+        _v(
+            "lssar",
+            "LSSA + re-weighting ReLU(N_i A - 1)^p, p=15 (paper, long context)",
+            "softplus",
+            True,
+            scaling="log_n",
+            qk_norm=True,
+            p=15.0,
+        ),
+        _v(
+            "lssar-p3",
+            "LSSA + re-weighting with p=3 (paper's best at training length)",
+            "softplus",
+            True,
+            scaling="log_n",
+            qk_norm=True,
+            p=3.0,
+        ),
+        _v(
+            "softplus-l1",
+            "softplus(q.k/sqrt(d)), l1: ablation without the length scale",
+            "softplus",
+            True,
+        ),
+        _v("relu-l1", "ReLU(q.k/sqrt(d)), l1: ablation (dead rows give zeros)", "relu", True),
+        _v(
+            "sigmoid",
+            "sigmoid(q.k/sqrt(d) + b), b = -ln N_i unless given; no normalisation",
+            "sigmoid",
+            False,
+            options={"bias": None},
+        ),
+        _v(
+            "sigmoid-l1",
+            "sigmoid(q.k/sqrt(d) + b), l1 (for sigmoid + re-weighting ablations)",
+            "sigmoid",
+            True,
+            options={"bias": None},
+        ),
+        _v(
+            "relu",
+            "ReLU(q.k/sqrt(d)) / N_i, no normalisation (Wortsman et al. 2023)",
+            "relu",
+            False,
+            divide_by_n=True,
+        ),
+        _v(
+            "ssmax",
+            "softmax(s_h ln N_i q.k/sqrt(d)), per-head s (Scalable-Softmax)",
+            "exp",
+            True,
+            scaling="ssmax",
+            options={"s": 1.0},
+        ),
+        _v(
+            "softmax-qknorm-logn",
+            "softmax(ln d ln N_i cos(q,k)): softmax with LSSA's scale",
+            "exp",
+            True,
+            scaling="log_n",
+            qk_norm=True,
+        ),
+    )
+}
