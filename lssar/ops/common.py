@@ -139,3 +139,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def length_scale(n: Tensor, d: int) -> Tensor:
     """LSSA's length scale ``c_i = ln(d) * ln(N_i)`` (0 for rows with ``N_i <= 1``)."""
     return math.log(d) * torch.log(n.clamp_min(1.0))
+
+
+def uniform_tolerance(dtype: torch.dtype) -> float:
+    """Relative deviation from the row mean below which a row counts as uniform.
+
+    ``N_i A_ij - 1`` of a row of equal weights is rounding noise, not signal; raising noise to the
+    power ``p`` would pick an arbitrary key. Rows whose largest deviation is within
+    ``64 * eps`` of the mean fall back to the LSSA weights (METHOD.md section 4, 0/0 case).
+    """
+    return 64.0 * torch.finfo(dtype).eps

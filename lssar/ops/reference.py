@@ -7,7 +7,7 @@ Each variant is two stages (METHOD.md sections 3-4):
 2. ``reweight`` (optional, any l1 variant): ``x = ReLU(N_i A - O_i)`` with ``O_i = 1`` for
    ``N_i > 3`` else 0, ``P = x^p / sum_j x^p``. Computed as ``r = x / max_j x`` first: the same
    weights, but ``x^p`` can neither overflow nor underflow a whole row. A row whose ``x`` are all 0
-   (every visible weight equal) falls back to ``A``.
+   (every visible weight equal, up to rounding: ``max x <= uniform_tolerance``) falls back to ``A``.
 
 Memory is O(T_q T_k); use it for checking and for short sequences. See ``lssar.ops.common`` for
 the mask, GQA and KV-cache conventions shared by all implementations.
@@ -27,6 +27,7 @@ from lssar.ops.common import (
     compute_dtype,
     expand_kv,
     length_scale,
+    uniform_tolerance,
     visible_counts,
 )
 from lssar.ops.variants import Variant
@@ -85,7 +86,7 @@ def reweight(weights: Tensor, n: Tensor, p: float) -> Tensor:
     offset = (n > 3).to(weights.dtype)  # O_i
     x = F.relu(n * weights - offset)
     x_max = x.amax(-1, keepdim=True)
-    has_mass = x_max > 0
+    has_mass = x_max > uniform_tolerance(x.dtype) * offset  # x is relative to the row mean
     r = x / torch.where(has_mass, x_max, torch.ones_like(x_max))  # in [0, 1]
     w = r**p
     sharpened = w / torch.where(has_mass, w.sum(-1, keepdim=True), torch.ones_like(x_max))

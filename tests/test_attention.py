@@ -1,0 +1,302 @@
+"""The attention core: every fast path vs the float64 reference, the references vs the paper."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lssar
+from lssar.ops.reference import attention_weights
+from lssar.ops.variants import VARIANTS
+
+FAST = [  # (impl, variant, options)
+    ("chunked", "lssa", {}),
+    ("chunked", "lssar", {}),
+    ("chunked", "lssar-p3", {}),
+    ("chunked", "lssar", {"p": 1.0}),
+    ("chunked", "lssar", {"p": 2.5}),
+    ("chunked", "softplus-l1", {}),
+    ("chunked", "softplus-l1", {"p": 15.0}),
+    ("sdpa", "softmax", {}),
+    ("sdpa", "ssmax", {"s": 1.3}),
+    ("sdpa", "softmax-qknorm-logn", {}),
+]
+
+SHAPES = [  # (B, H_q, H_kv, T_q, T_k, D)
+    (1, 2, 2, 1, 1, 32),
+    (2, 2, 2, 7, 7, 64),
+    (1, 2, 2, 63, 63, 100),
+    (1, 4, 2, 111, 111, 32),  # GQA
+    (2, 2, 1, 5, 19, 32),  # KV cache: T_q < T_k, GQA
+]
+
+
+def _inputs(shape, dtype, seed=0):
+    b, hq, hkv, tq, tk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, tk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, tk, d, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+def _padding_mask(shape, seed=0):
+    b, _, _, tq, tk, _ = shape
+    g = torch.Generator().manual_seed(seed + 1)
+    m = torch.rand(b, 1, tq, tk, generator=g) > 0.3
+    m[:, :, tq // 2] = False  # one fully masked row
+    return m
+
+
+def _run(q, k, v, grad, **kw):
+    out = lssar.attention(q, k, v, **kw)
+    return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("impl,variant,opts", FAST)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mask_kind", ["causal", "none", "padding+causal"])
+def test_fast_path_matches_float64_reference(impl, variant, opts, shape, mask_kind):
+    causal = mask_kind != "none"
+    mask = _padding_mask(shape) if mask_kind == "padding+causal" else None
+    kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=shape[1] != shape[2], variant=variant)
+    q64, k64, v64 = _inputs(shape, torch.float64)
+    grad = torch.randn(shape[0], shape[1], shape[3], shape[5], dtype=torch.float64)
+    golden = _run(q64, k64, v64, grad, impl="reference", **kw, **opts)
+    q, k, v = _inputs(shape, torch.float32)
+    ref = _run(q, k, v, grad.float(), impl="reference", **kw, **opts)
+    fast = _run(q, k, v, grad.float(), impl=impl, **kw, **opts)
+    for i, (f, r, g) in enumerate(zip(fast, ref, golden)):
+        factor = 2.0 if i == 0 else 3.0
+        scale = g.abs().max().item() + 1.0
+        assert torch.isfinite(f).all()
+        assert _err(f, g) <= factor * _err(r, g) + 2e-6 * scale, (i, _err(f, g), _err(r, g))
+    # and the fast path in float64 agrees with the reference to rounding
+    fast64 = _run(q64, k64, v64, grad, impl=impl, **kw, **opts)
+    for f, g in zip(fast64, golden):
+        assert _err(f, g) < 1e-10 * (g.abs().max().item() + 1.0)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("masked", [False, True])
+def test_reference_gradcheck(name, masked):
+    shape = (1, 2, 2, 6, 6, 8)
+    q, k, v = _inputs(shape, torch.float64, seed=3)
+    mask = _padding_mask(shape, seed=3) if masked else None
+    opts = {"s": torch.tensor([0.7, 1.4], dtype=torch.float64)} if name == "ssmax" else {}
+
+    def fn(q, k, v):
+        return lssar.attention(
+            q, k, v, mask, is_causal=True, variant=name, impl="reference", **opts
+        )
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("name", ["softplus-l1", "sigmoid-l1", "softmax"])
+def test_reweighting_on_other_normalisers_gradcheck(name):
+    q, k, v = _inputs((1, 1, 1, 7, 7, 8), torch.float64, seed=4)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: lssar.attention(
+            q, k, v, is_causal=True, variant=name, impl="reference", p=15.0
+        ),
+        (q, k, v),
+    )
+
+
+def _paper_lssar(q, k, p):
+    """METHOD.md sections 3-4 literally, one row at a time, for a causal single head."""
+    t, d = q.shape
+    rows = []
+    for i in range(t):
+        n = i + 1
+        c = math.log(d) * math.log(n)
+        s = c * F.normalize(q[i], dim=-1) @ F.normalize(k[:n], dim=-1).T
+        a = F.softplus(s)
+        big_a = a / a.sum()
+        x = F.relu(n * big_a - (1.0 if n > 3 else 0.0))
+        w = x**p / (x**p).sum() if x.max() > 0 else big_a
+        rows.append(F.pad(w, (0, t - n)))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("p", [1.0, 3.0, 15.0])
+def test_reference_is_the_paper_formula(p):
+    q, k, _ = _inputs((1, 1, 1, 12, 12, 16), torch.float64, seed=5)
+    w = attention_weights(q, k, is_causal=True, variant=VARIANTS["lssar"], options={"p": p})
+    assert torch.allclose(w[0, 0], _paper_lssar(q[0, 0], k[0, 0], p), atol=1e-12)
+
+
+def test_centred_identity_of_method_section_4():
+    """P_ij is proportional to ReLU(softplus(s_ij) - mu_i)^p for N_i > 3, softplus^p below."""
+    q, k, _ = _inputs((1, 1, 1, 9, 9, 16), torch.float64, seed=6)
+    p = 15.0
+    w = attention_weights(q, k, is_causal=True, variant=VARIANTS["lssar"], options={"p": p})[0, 0]
+    d = q.shape[-1]
+    for i in range(9):
+        n = i + 1
+        s = (
+            math.log(d)
+            * math.log(n)
+            * F.normalize(q[0, 0, i], dim=-1)
+            @ F.normalize(k[0, 0, :n], dim=-1).T
+        )
+        a = F.softplus(s)
+        x = F.relu(a - a.mean()) if n > 3 else a
+        assert torch.allclose(w[i, :n], x**p / (x**p).sum(), atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_edge_cases(impl):
+    # uniform rows (identical keys): every x = 0, fall back to LSSA = uniform weights
+    q = torch.randn(1, 1, 6, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.ones(1, 1, 6, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 6, 16, dtype=torch.float64, requires_grad=True)
+    out = lssar.attention(q, k, v, is_causal=True, variant="lssar", impl=impl)
+    expected = torch.cumsum(v, dim=2) / torch.arange(1, 7, dtype=torch.float64).view(1, 1, 6, 1)
+    assert torch.allclose(out, expected, atol=1e-12)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    # fully masked rows: zero output, zero gradient, never NaN
+    q, k, v = _inputs((1, 2, 2, 5, 5, 8), torch.float64)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool)
+    mask[..., 2, :] = False
+    out = lssar.attention(q, k, v, mask, variant="lssar", impl=impl)
+    assert torch.equal(out[..., 2, :], torch.zeros_like(out[..., 2, :]))
+    out.pow(2).sum().backward()
+    assert torch.equal(q.grad[..., 2, :], torch.zeros_like(q.grad[..., 2, :]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    # T_q > T_k with causal alignment: the first T_q - T_k rows see nothing
+    q = torch.randn(1, 1, 6, 8, dtype=torch.float64)
+    out = lssar.attention(q, k[:, :1, :3], v[:, :1, :3], is_causal=True, variant="lssa", impl=impl)
+    assert torch.equal(out[..., :3, :], torch.zeros_like(out[..., :3, :]))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_causality_and_row_sums(name):
+    q, k, v = _inputs((1, 2, 2, 16, 16, 8), torch.float64, seed=7)
+    with torch.no_grad():
+        out = lssar.attention(q, k, v, is_causal=True, variant=name)
+        k2, v2 = k.clone(), v.clone()
+        k2[..., 10:, :] += 3.0
+        v2[..., 10:, :] -= 5.0
+        out2 = lssar.attention(q, k2, v2, is_causal=True, variant=name)
+        assert torch.allclose(out[..., :10, :], out2[..., :10, :], atol=1e-12)
+        assert not torch.allclose(out[..., 10:, :], out2[..., 10:, :])
+        w = attention_weights(
+            q, k, is_causal=True, variant=VARIANTS[name], options=VARIANTS[name].resolve({})
+        )
+        assert torch.equal(w.triu(1), torch.zeros_like(w))
+        if VARIANTS[name].l1:
+            sums = w.sum(-1)
+            ok = (sums - 1).abs() < 1e-12
+            if name == "relu-l1":  # rows where every ReLU is dead carry no mass
+                ok |= sums == 0
+            assert ok.all()
+
+
+def test_kv_cache_alignment():
+    q, k, v = _inputs((1, 2, 2, 24, 24, 16), torch.float64, seed=8)
+    for name in ["lssa", "lssar", "softmax", "ssmax"]:
+        full = lssar.attention(q, k, v, is_causal=True, variant=name)
+        for tail in (1, 5):
+            part = lssar.attention(q[..., -tail:, :], k, v, is_causal=True, variant=name)
+            assert torch.allclose(part, full[..., -tail:, :], atol=1e-12), (name, tail)
+
+
+def test_softmax_matches_sdpa():
+    q, k, v = _inputs((2, 4, 4, 33, 33, 32), torch.float32)
+    mask = _padding_mask((2, 4, 4, 33, 33, 32))
+    mask[:, :, 33 // 2] = True
+    for impl in ["reference", "sdpa", "auto"]:
+        for kw in [dict(is_causal=True), dict(attn_mask=mask), dict(scale=0.3)]:
+            ours = lssar.attention(q, k, v, variant="softmax", impl=impl, **kw)
+            theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+            assert torch.allclose(ours, theirs, atol=2e-6), (impl, kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_long_rows_stay_finite(dtype):
+    q, k, v = _inputs((1, 2, 2, 4096, 4096, 32), dtype, seed=9)
+    out = lssar.attention(q, k, v, is_causal=True, variant="lssar", p=15.0)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    out.float().square().mean().backward()
+    assert all(torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+def test_auto_picks_memory_efficient_paths():
+    from lssar.ops.registry import resolve
+
+    small, big = torch.empty(1, 1, 64, 8), torch.empty(1, 1, 4096, 8)
+    assert resolve("lssar", "auto", big, big, 0.0, {})[1] == "chunked"
+    assert resolve("lssar", "auto", small, small, 0.0, {})[1] == "reference"
+    assert resolve("lssar", "auto", big, big, 0.1, {})[1] == "reference"
+    assert resolve("softmax", "auto", big, big, 0.0, {})[1] == "sdpa"
+    assert resolve("sigmoid", "auto", big, big, 0.0, {})[1] == "reference"
+
+
+def test_dropout_is_applied_never_ignored():
+    q, k, v = _inputs((1, 2, 2, 16, 16, 8), torch.float32)
+    torch.manual_seed(0)
+    a = lssar.attention(q, k, v, dropout_p=0.5, is_causal=True, variant="lssa")
+    b = lssar.attention(q, k, v, is_causal=True, variant="lssa")
+    assert not torch.allclose(a, b)
+    with pytest.raises(ValueError, match="dropout"):
+        lssar.attention(q, k, v, dropout_p=0.5, variant="lssa", impl="chunked")
+
+
+def test_torch_compile_traces_through_the_chunked_op():
+    q, k, v = _inputs((1, 2, 2, 40, 40, 16), torch.float32)
+    fn = torch.compile(
+        lambda q, k, v: lssar.attention(q, k, v, is_causal=True, variant="lssar", impl="chunked"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    out = fn(q, k, v)
+    ref = lssar.attention(q, k, v, is_causal=True, variant="lssar", impl="chunked")
+    assert torch.allclose(out, ref)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert all(torch.allclose(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_variants_listing():
+    listing = {v["name"]: v for v in lssar.variants()}
+    assert set(listing) == set(VARIANTS)
+    assert listing["lssar"]["options"] == {"p": 15.0}
+    assert listing["lssar-p3"]["options"] == {"p": 3.0}
+    assert "chunked" in listing["lssar"]["impls"] and "sdpa" in listing["softmax"]["impls"]
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda q, k, v: lssar.attention(q[0], k, v), "query must have 4 dims"),
+        (lambda q, k, v: lssar.attention(q, k[..., :4], v), "head dims differ"),
+        (lambda q, k, v: lssar.attention(q, k[:, :3], v[:, :3], enable_gqa=True), "divisible"),
+        (lambda q, k, v: lssar.attention(q, k[:, :2], v[:, :2]), "enable_gqa=True"),
+        (lambda q, k, v: lssar.attention(q, k, v, torch.ones(3, 3)), "boolean"),
+        (lambda q, k, v: lssar.attention(q, k, v, torch.ones(5, 2, dtype=torch.bool)), "broadcast"),
+        (lambda q, k, v: lssar.attention(q, k, v, p=0.0), "p must be"),
+        (lambda q, k, v: lssar.attention(q, k, v, p=float("nan")), "p must be"),
+        (lambda q, k, v: lssar.attention(q, k, v, variant="lssa", q=2), "takes no option 'q'"),
+        (lambda q, k, v: lssar.attention(q, k, v, variant="relu", p=3.0), "takes no option 'p'"),
+        (lambda q, k, v: lssar.attention(q, k, v, variant="nope"), "valid variants: softmax"),
+        (lambda q, k, v: lssar.attention(q, k, v, impl="cuda"), "valid impls"),
+        (lambda q, k, v: lssar.attention(q, k, v, variant="relu", impl="chunked"), "use one of"),
+        (lambda q, k, v: lssar.attention(q, k, v, variant="lssa", scale=0.1), "pass scale=None"),
+        (lambda q, k, v: lssar.attention(q, k, v, dropout_p=1.5), "dropout_p"),
+        (lambda q, k, v: lssar.attention(q.int(), k, v), "float16"),
+    ],
+)
+def test_bad_input_errors(call, match):
+    q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=match):
+        call(q, k, v)
