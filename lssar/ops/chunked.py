@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lssar.ops.common import causal_mask, uniform_tolerance
 
-DEFAULT_BLOCK_ELEMS = 1 << 21  # score elements per block: ~8 MB fp32 slabs, a few live at once
+DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
 
 
 def _block_rows(bh: int, t_k: int, block: int) -> int:
@@ -81,28 +81,44 @@ def _counts(
     return m.sum(-1, keepdim=True, dtype=torch.float32)
 
 
-def _weights(q: Tensor, k: Tensor, m: Tensor | None, n: Tensor, c: Tensor, p: float | None):
-    """Block weights and the intermediates the backward needs. Shapes ``(B, H, rows, T_k)``."""
-    s = (q @ k.transpose(-1, -2)) * c  # (B, H, rows, T_k)
+def _weights(
+    qc: Tensor, k: Tensor, m: Tensor | None, n: Tensor, p: float | None, want_pm1: bool = False
+):
+    """Unnormalised block weights ``num (B, H, rows, T_k)`` and their row sums ``den``.
+
+    ``qc`` is the query block already multiplied by its row scale ``c_i``, so ``s = qc @ k^T``.
+    The final weights are ``num / den``; callers divide the (small) output or gradient instead of
+    the slab. Also returns ``s`` and, for re-weighting, the statistics the backward needs.
+    """
+    s = qc @ k.transpose(-1, -2)  # (B, H, rows, T_k)
     a = F.softplus(s)
     if m is not None:
         a = a * m
     z = a.sum(-1, keepdim=True)
-    z_safe = torch.where(z > 0, z, torch.ones_like(z))
+    z = torch.where(z > 0, z, torch.ones_like(z))  # fully masked rows: a = 0, any z works
     if p is None:
-        return s, a / z_safe, z_safe, None
+        return s, a, z, None
     big = n > 3  # O_i = 1
     mu = torch.where(big, z / n.clamp_min(1.0), torch.zeros_like(z))
     x = F.relu(a - mu)  # masked entries: 0 - mu <= 0
     x_max = x.amax(-1, keepdim=True)
     has = x_max > uniform_tolerance(x.dtype) * mu  # else every weight is uniform up to rounding
     x_max = torch.where(has, x_max, torch.ones_like(x_max))
-    r = x / x_max
-    w = _ipow(r, p)
+    r = x * (1.0 / x_max)  # in [0, 1]: r^p cannot overflow
+    r_pm1 = None
+    if want_pm1:  # r^(p-1) for the backward, and r^p from it with one multiply
+        if p > 1:
+            r_pm1 = _ipow(r, p - 1)
+        else:  # r^(p-1) is 1 (p = 1) or unbounded (p < 1) at r = 0, where dx must be 0
+            r_pm1 = torch.where(r > 0, r.pow(p - 1), torch.zeros_like(r))
+        w = r_pm1 * r
+    else:
+        w = _ipow(r, p)
     w_sum = w.sum(-1, keepdim=True)
-    w_sum = torch.where(has, w_sum, torch.ones_like(w_sum))
-    weights = torch.where(has, w / w_sum, a / z_safe)
-    return s, weights, z_safe, (big, n, has, x_max, r, w_sum)
+    if not bool(has.all()):  # rare: rows of equal weights fall back to LSSA
+        w = torch.where(has, w, a)
+        w_sum = torch.where(has, w_sum, z)
+    return s, w, w_sum, (big, has, x_max, r_pm1)
 
 
 def _row_scale(n: Tensor, scale: float, log_n: bool) -> Tensor:
@@ -151,9 +167,9 @@ def softplus_attention_op(
             continue
         m = _block_mask(mask, is_causal, i0, i1, k_end, offset, q.device)
         n = _counts(m, is_causal, i0, i1, k_end, offset, q.device).to(dtype)
-        c = _row_scale(n, scale, log_n)
-        _, wts, _, _ = _weights(qf[:, :, i0:i1], kf[:, :, :k_end], m, n, c, p)
-        out[:, :, i0:i1] = wts @ vf[:, :, :k_end]
+        qc = qf[:, :, i0:i1] * _row_scale(n, scale, log_n)
+        _, num, den, _ = _weights(qc, kf[:, :, :k_end], m, n, p)
+        out[:, :, i0:i1] = (num @ vf[:, :, :k_end]) / den
     return out.to(q.dtype)
 
 
@@ -192,32 +208,29 @@ def softplus_attention_backward_op(
         m = _block_mask(mask, is_causal, i0, i1, k_end, offset, q.device)
         n = _counts(m, is_causal, i0, i1, k_end, offset, q.device).to(dtype)
         c = _row_scale(n, scale, log_n)
-        qb, kb, vb, gb = qf[:, :, i0:i1], kf[:, :, :k_end], vf[:, :, :k_end], g[:, :, i0:i1]
-        s, wts, z, stats = _weights(qb, kb, m, n, c, p)
-        dp = gb @ vb.transpose(-1, -2)  # (B, H, rows, T_k)
+        qc, kb, vb, gb = qf[:, :, i0:i1] * c, kf[:, :, :k_end], vf[:, :, :k_end], g[:, :, i0:i1]
+        s, num, den, stats = _weights(qc, kb, m, n, p, want_pm1=True)
+        g_den = gb / den  # P^T g = num^T (g / den)
+        dp = g_den @ vb.transpose(-1, -2)  # dP / den  (B, H, rows, T_k)
         # D_i = sum_j P_ij dP_ij from the same slab (not g_i.out_i): exact cancellation for
         # one-key rows, where dP - D would otherwise be pure rounding amplified by p / x_max
-        centred = dp - (wts * dp).sum(-1, keepdim=True)
-        da_l1 = centred / z
+        centred = dp - (num * dp).sum(-1, keepdim=True) / den  # (dP - D) / den
         if stats is None:
-            da = da_l1
+            da = centred  # (dP - D) / Z
         else:
-            big, n, has, x_max, r, w_sum = stats
-            # dx = p P (dP - D) / x, with P / x = r^(p-1) / (sum_w * x_max) (no division by x)
-            if p > 1:
-                r_pm1 = _ipow(r, p - 1)
-            else:  # r^(p-1) is 1 (p = 1) or unbounded (p < 1) at r = 0, where dx must be 0
-                r_pm1 = torch.where(r > 0, r.pow(p - 1), torch.zeros_like(r))
-            dx = (p / (w_sum * x_max)) * r_pm1 * centred
+            big, has, x_max, r_pm1 = stats
+            # dx = p P (dP - D) / x = p r^(p-1) (dP - D) / (sum_w x_max): no division by x
+            dx = r_pm1 * centred * (p / x_max)
             f = dx.sum(-1, keepdim=True)
             da = dx - torch.where(big, f / n.clamp_min(1.0), torch.zeros_like(f))
-            da = torch.where(has, da, da_l1)
-        ds = da * torch.sigmoid(s) * c
+            if not bool(has.all()):
+                da = torch.where(has, da, centred)
+        ds = da * torch.sigmoid(s)
         if m is not None:
             ds = ds * m
-        dv[:, :, :k_end] += wts.transpose(-1, -2) @ gb
-        dq[:, :, i0:i1] = ds @ kb
-        dk[:, :, :k_end] += ds.transpose(-1, -2) @ qb
+        dv[:, :, :k_end] += num.transpose(-1, -2) @ g_den
+        dq[:, :, i0:i1] = (ds @ kb) * c
+        dk[:, :, :k_end] += ds.transpose(-1, -2) @ qc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
