@@ -1,0 +1,5 @@
+import sys
+
+from lssar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""The ``lssar`` command: one entry point, a thin wrapper per subcommand.
+
+Each subcommand lives beside the function it wraps (``module:function`` below takes the remaining
+argv and returns an exit code), so ``lssar --help`` imports nothing heavy. Bad input raises
+``ValueError`` / ``FileNotFoundError`` inside; here it becomes one ``error:`` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "variants": ("lssar.cli:variants_cli", "list the attention variants, options and impls"),
+    "data": ("lssar.data:cli", "prepare token shards: lssar data prepare --corpus --tokenizer"),
+    "train": ("lssar.train:train_cli", "train a GPT: lssar train --preset tiny-cpu --attn=lssar"),
+    "sample": ("lssar.train:sample_cli", "generate text from a run: lssar sample RUN --prompt"),
+    "eval": ("lssar.evaluate:cli", "loss vs length, passkey, diagnostics for a run"),
+    "reproduce": ("lssar.reproduce:cli", "train + evaluate every variant, write a report"),
+    "orbits": ("lssar.orbits.experiment:cli", "the orbital world-model experiment"),
+    "lm-eval": ("lssar.hf:lm_eval_cli", "lm-evaluation-harness on a run's checkpoint"),
+    "export-hf": ("lssar.hf:export_cli", "save a run as a transformers model directory"),
+}
+
+
+def variants_cli(argv: list[str]) -> int:
+    import lssar
+
+    for v in lssar.variants():
+        opts = ", ".join(f"{k}={val!r}" for k, val in v["options"].items()) or "-"
+        print(f"{v['name']:<21} {v['summary']}\n{'':<21} options: {opts}; impls: "
+              f"{', '.join(v['impls'])}")
+    return 0
+
+
+def _usage() -> str:
+    lines = ["usage: lssar COMMAND [ARGS]  (lssar COMMAND --help for each)", "", "commands:"]
+    lines += [f"  {name:<10} {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func = COMMANDS[name][0].split(":")
+    try:
+        fn = getattr(importlib.import_module(module), func)
+        return int(fn(rest) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

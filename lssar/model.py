@@ -1,0 +1,245 @@
+"""A GPT with pluggable attention (nanoGPT-shaped, one file).
+
+Token embedding, RoPE (no learned positions, no length cap: it runs at any length), pre-norm blocks
+of attention + MLP, and a tied output head. The attention rule is chosen by name from
+``lssar.variants()`` (``attn="softmax" | "lssa" | "lssar" | ...``, options such as ``p`` in
+``attn_options``) and may be switched after training with :meth:`GPT.set_attention` (e.g. evaluate
+an LSSA-trained model with re-weighting p=15: the paper's fine-tuning-free mode).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lssar.ops.reference import attention_weights
+from lssar.ops.registry import IMPLS, attention, get_variant
+
+SSMAX_S_INIT = 0.43  # Scalable-Softmax's per-head s at init (project choice)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # None = n_head; fewer = grouped-query attention
+    n_embd: int = 128
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    rope_base: float = 10000.0
+    attn: str = "softmax"
+    attn_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"p": 15.0}
+    attn_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError("head dim (n_embd / n_head) must be even for RoPE")
+        kv = self.n_kv_head or self.n_head
+        if self.n_head % kv:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
+        check_attention(self.attn, self.attn_options, self.attn_impl)
+
+
+def check_attention(attn: str, options: dict[str, Any], impl: str = "auto") -> dict[str, Any]:
+    """Validate an attention name + options for use in the model; returns the resolved options."""
+    variant = get_variant(attn)
+    if "s" in options:
+        raise ValueError("ssmax's `s` is a learned parameter of the model, not an option")
+    resolved = variant.resolve(options)
+    if impl != "auto" and impl not in IMPLS:
+        raise ValueError(f"unknown attn_impl {impl!r}; valid: auto, {', '.join(IMPLS)}")
+    return resolved
+
+
+def rope_cache(head_dim: int, positions: Tensor, base: float) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape ``(T, head_dim / 2)`` for absolute ``positions (T,)``."""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    ang = positions.float()[:, None] * inv[None, :]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs of ``x (B, H, T, D)`` (half-split layout, as GPT-NeoX / Llama)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x.dtype)
+
+
+class KVCache:
+    """Per-layer keys/values of the tokens seen so far, ``(B, H_kv, T_seen, D)`` each."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.k: list[Tensor | None] = [None] * n_layer
+        self.v: list[Tensor | None] = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv = cfg.n_head, cfg.n_kv_head or cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.head_dim, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+        # Scalable-Softmax learns one s per head; the other variants have no parameters.
+        self.ssmax_s = (
+            nn.Parameter(torch.full((self.n_head,), SSMAX_S_INIT)) if cfg.attn == "ssmax" else None
+        )
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, spec: tuple[str, dict, str],
+                cache: KVCache | None = None, layer: int = 0, weights: list | None = None) -> Tensor:
+        """``x (B, T, C)`` -> ``(B, T, C)``; appends ``(B, H, T, T_k)`` weights if asked."""
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim],
+            dim=-1,
+        )
+        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        name, options, impl = spec
+        if name == "ssmax":
+            options = {**options, "s": self.ssmax_s}
+        gqa = self.n_kv != self.n_head
+        y = attention(q, k, v, None, self.dropout if self.training else 0.0, True, None, gqa,
+                      variant=name, impl=impl, **options)
+        if weights is not None:
+            with torch.no_grad():
+                weights.append(attention_weights(q, k, None, True, None, gqa,
+                                                 variant=get_variant(name), options=options))
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=False)
+        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, hidden, bias=False),
+            nn.GELU(),
+            nn.Linear(hidden, cfg.n_embd, bias=False),
+            nn.Dropout(cfg.dropout),
+        )
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, spec, cache, layer, weights) -> Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(idx (B, T)) -> logits (B, T, V)`` (+ loss)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied
+        self.set_attention(cfg.attn, cfg.attn_options, cfg.attn_impl)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def set_attention(self, attn: str, options: dict[str, Any] | None = None,
+                      impl: str = "auto") -> None:
+        """Switch the attention rule (all layers), e.g. to evaluate with re-weighting."""
+        options = dict(options or {})
+        check_attention(attn, options, impl)
+        if attn == "ssmax" and self.cfg.attn != "ssmax":
+            raise ValueError(
+                "ssmax needs per-head scales learned in training; this model was trained with "
+                f"{self.cfg.attn!r}, so it cannot switch to ssmax"
+            )
+        self.attn_spec = (attn, options, impl)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def body(self, h: Tensor, pos: int = 0, cache: KVCache | None = None,
+             weights: list | None = None) -> Tensor:
+        """Run the blocks on embeddings ``h (B, T, C)`` at absolute positions ``pos..pos+T``."""
+        positions = torch.arange(pos, pos + h.shape[1], device=h.device)
+        cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, positions, self.cfg.rope_base)
+        h = self.drop(h)
+        for i, block in enumerate(self.blocks):
+            h = block(h, cos, sin, self.attn_spec, cache, i, weights)
+        return self.ln_f(h)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None,
+                weights: list | None = None, reduction: str = "mean"
+                ) -> tuple[Tensor, Tensor | None]:
+        """``idx (B, T)`` token ids -> ``(logits (B, T, V), loss or None)``.
+
+        With a ``cache`` the tokens continue the cached sequence (positions start at its length).
+        ``weights``, if a list, receives each layer's attention weights ``(B, H, T, T_k)``.
+        ``reduction="none"`` returns the per-token loss ``(B, T)``.
+        """
+        if idx.min() < 0 or idx.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}); got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        pos = cache.length if cache is not None else 0
+        h = self.body(self.wte(idx), pos, cache, weights)
+        logits = self.head(h)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   reduction=reduction)
+            if reduction == "none":
+                loss = loss.view_as(targets)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+        """Sample ``max_new_tokens`` after the prompt ``idx (B, T)`` with a KV cache."""
+        cache = KVCache(self.cfg.n_layer)
+        logits, _ = self(idx, cache=cache)
+        out = [idx]
+        for _ in range(max_new_tokens):
+            last = logits[:, -1, :].float()
+            if temperature <= 0:
+                nxt = last.argmax(-1, keepdim=True)
+            else:
+                last = last / temperature
+                if top_k is not None:
+                    kth = torch.topk(last, min(top_k, last.shape[-1])).values[:, -1:]
+                    last = last.masked_fill(last < kth, float("-inf"))
+                nxt = torch.multinomial(last.softmax(-1), 1, generator=generator)
+            out.append(nxt)
+            logits, _ = self(nxt, cache=cache)
+        return torch.cat(out, dim=1)
