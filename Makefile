@@ -28,7 +28,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check lssar tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/attention.py --quick
+	$(BIN)/python benchmarks/attention.py
+
+reproduce: $(STAMP)
+	$(BIN)/python -m lssar reproduce --preset quick
 
 clean:
 	rm -rf $(VENV)
