@@ -300,3 +300,21 @@ def test_bad_input_errors(call, match):
     q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))
     with pytest.raises(ValueError, match=match):
         call(q, k, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,opts", [("lssa", {}), ("lssar", {}), ("lssar", {"p": 3.0})])
+@pytest.mark.parametrize("t,d", [(1024, 64), (777, 128), (2048, 32)])
+def test_chunked_long_matrix(variant, opts, t, d):
+    """Long rows, several blocks, padding + causal, GQA: chunked vs the float64 reference."""
+    shape = (2, 4, 2, t, t, d)
+    mask = _padding_mask(shape, seed=t)
+    kw = dict(attn_mask=mask, is_causal=True, enable_gqa=True, variant=variant, **opts)
+    q64, k64, v64 = _inputs(shape, torch.float64, seed=t)
+    grad = torch.randn(2, 4, t, d, dtype=torch.float64)
+    golden = _run(q64, k64, v64, grad, impl="reference", **kw)
+    q, k, v = _inputs(shape, torch.float32, seed=t)
+    ref = _run(q, k, v, grad.float(), impl="reference", **kw)
+    fast = _run(q, k, v, grad.float(), impl="chunked", **kw)
+    for i, (f, r, g) in enumerate(zip(fast, ref, golden)):
+        assert _err(f, g) <= (2.0 if i == 0 else 3.0) * _err(r, g) + 2e-6 * (g.abs().max() + 1)
