@@ -88,7 +88,8 @@ def reweight(weights: Tensor, n: Tensor, p: float) -> Tensor:
     x_max = x.amax(-1, keepdim=True)
     has_mass = x_max > uniform_tolerance(x.dtype) * offset  # x is relative to the row mean
     r = x / torch.where(has_mass, x_max, torch.ones_like(x_max))  # in [0, 1]
-    w = r**p
+    pos = r > 0  # r**p has an unbounded derivative at 0 when p < 1: keep it out of the graph
+    w = torch.where(pos, torch.where(pos, r, torch.ones_like(r)) ** p, torch.zeros_like(r))
     sharpened = w / torch.where(has_mass, w.sum(-1, keepdim=True), torch.ones_like(x_max))
     return torch.where(has_mass, sharpened, weights)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -168,3 +169,9 @@ def attention(
         variant=v,
         options=opts,
     )
+
+
+# Optional implementations register themselves (after register_impl exists: they import it).
+if importlib.util.find_spec("triton") is not None:
+    import lssar.ops.triton_kernels  # noqa: E402,F401  (impl "triton")
+import lssar.ops.flex  # noqa: E402,F401  (impl "flex", where FlexAttention exists)

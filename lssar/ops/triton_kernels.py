@@ -1,8 +1,9 @@
-"""Fused Triton kernels (FlashAttention-2 style) for the softplus-l1 family: lssa, lssar, softplus-l1.
+"""Fused Triton kernels (FlashAttention-2 style) for the softplus-l1 family (lssa, lssar, ...).
 
 The math is METHOD.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly (mean-centred
 ``x = softplus(s) - mu_i``, ``mu_i = Z_i / N_i`` for ``N_i > 3``, ``r = x / x_max``, LSSA weights
-for rows whose ``x`` are all 0, zeros for rows with ``N_i = 0``). Only the schedule differs:
+for rows whose ``x`` are all within ``uniform_tolerance * mu_i``, zeros for rows with
+``N_i = 0``). Only the schedule differs:
 
 forward (grid: query blocks x batch*heads; the ``T_q x T_k`` scores never exist)
     LSSA: one pass over the key blocks accumulating ``sum_j softplus(s_ij) v_j`` and ``Z_i``
@@ -26,15 +27,24 @@ Conventions (shared with every implementation, see :mod:`lssar.ops.common`): lay
 ``[B, H, T, D]``; GQA with head ``h`` reading kv head ``h // (H_q / H_kv)``; bottom-right causal
 alignment (query ``t`` sits at absolute position ``T_k - T_q + t``); boolean ``attn_mask``
 broadcastable to ``[B, H_q, T_q, T_k]``, combinable with ``is_causal``; ``N_i`` = visible keys,
-computed in torch before the launch (a ``[B, H_q, T_q]`` vector). Half inputs use fp32 statistics
-and fp32 accumulation, with the weights rounded to the input dtype for the ``P @ V`` products as
-in FlashAttention. Head dims up to 256 (any value: tiles are padded to a power of two).
+computed in torch before the launch (a ``[B, H_q, T_q]`` vector). Head dims up to 256 (any
+value: tiles are padded to a power of two); ``D_v`` may differ from ``D``.
+
+Precision: statistics and accumulators are fp32 for every input dtype; fp32 inputs use IEEE fp32
+dots (no TF32). For half inputs the fp32 weights / score gradients must enter the tensor cores in
+the input dtype: by default (``precise=True``) each goes in as a ``hi + lo`` pair (two MMAs,
+error ~2^-16 instead of 2^-9 for bf16), which keeps outputs and gradients as accurate as the
+fp32-computed reference; ``precise=False`` rounds once, as FlashAttention does (1 MMA, ~2x the
+reference's error). Softplus is ``max(s, 0) + log1p(exp(-|s|))`` with a two-MUFU log1p.
 
 Limits: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (slow; for tests). ``float64``
 inputs are handed to :func:`lssar.ops.chunked.chunked_attention` (same math, exact in float64).
 No dropout. Block sizes are autotuned per (head dim, flags, length bucket) on the GPU; under the
-interpreter a fixed 16 x 16 tile is used. ``TRITON_INTERPRET`` is read at every launch (the
-kernels carry both a compiled and an interpreted form), so it may be set after import.
+interpreter a fixed 16 x 16 tile is used. ``TRITON_INTERPRET=1`` must be set before ``triton`` is
+first imported (``triton.jit``, here and in ``triton.language``'s own helpers such as ``tl.zeros``,
+picks compiled or interpreted code when a function is decorated). Two Triton 3.9 interpreter
+defects are worked around only when interpreting: bf16 ``tl.dot`` (wrong: operands are upcast)
+and fp32 -> bf16 stores (truncated: torch rounds the output instead).
 """
 
 import math
@@ -44,49 +54,26 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
-from lssar.ops.common import causal_mask, check_inputs
+from lssar.ops.common import causal_mask, check_inputs, uniform_tolerance
 from lssar.ops.registry import register_impl
 from lssar.ops.variants import Variant
 
 MAX_HEAD_DIM = 256
 NORM_EPS = 1e-12  # F.normalize's eps: x / max(||x||, eps)
 INTERPRET_BLOCK = 16  # tl.dot needs tiles of at least 16
+UNIFORM_TOL = uniform_tolerance(torch.float32)  # statistics are fp32 for every input dtype
 
 
 def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
-class _Kernel(triton.runtime.JITFunction):
-    """A ``triton.jit`` function that runs in the interpreter whenever ``TRITON_INTERPRET=1``.
-
-    ``triton.jit`` reads the variable once, at decoration; this module is usually imported (via
-    ``lssar``) before a test sets it, so the choice is made at each launch / device-call instead.
-    """
-
-    def _interpreted(self) -> InterpretedFunction:
-        fn = self.__dict__.get("_interp_fn")
-        if fn is None:
-            fn = self.__dict__["_interp_fn"] = InterpretedFunction(self.fn)
-        return fn
-
-    def run(self, *args, grid, warmup, **kwargs):
-        if _interpreting():
-            return self._interpreted().run(*args, grid=grid, warmup=warmup, **kwargs)
-        return super().run(*args, grid=grid, warmup=warmup, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        if _interpreting():  # a device-function call from an interpreted kernel
-            return self._interpreted()(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
+    """Whether the kernels were decorated for the interpreter (TRITON_INTERPRET=1 at import)."""
+    return _INTERPRETED
 
 
 # ----------------------------------------------------------------------------- device functions
 
 
-@_Kernel
+@triton.jit
 def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     # IEEE: fp32 inputs must not be rounded to tf32 (the reference is exact fp32).
     # UPCAST: the Triton 3.9 interpreter computes bf16 dots on the raw bits; fp32 is exact there.
@@ -99,30 +86,44 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     return res
 
 
-@_Kernel
+@triton.jit
+def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+    # fp32 a (weights, dscores) times b in the input dtype. a is rounded to b's dtype for the
+    # tensor cores; SPLIT adds the rounding residual as a second product (a = hi + lo, error
+    # ~2^-16 instead of 2^-9 for bf16), which keeps half-precision outputs as accurate as the
+    # fp32-computed reference's at the cost of one extra MMA per product.
+    hi = a.to(b.dtype)
+    res = _dot(hi, b, IEEE, UPCAST)
+    if SPLIT:
+        res += _dot((a - hi.to(tl.float32)).to(b.dtype), b, IEEE, UPCAST)
+    return res
+
+
+@triton.jit
 def _softplus_parts(s):
-    # softplus(s) = max(s, 0) + log1p(exp(-|s|)); log1p(u) = log(w) * u / (w - 1) with w = 1 + u
-    # is accurate to a few ulp (Goldberg), which matters when every entry of a row is tiny.
+    # softplus(s) = max(s, 0) + log1p(u), u = exp(-|s|) in (0, 1]. With w = fl(1 + u), the
+    # rounding residual d = u - (w - 1) is exact (Sterbenz) and log1p(u) = log(w) + d / w to
+    # second order; d is below 2^-24, so 1/w on [1, 2] needs only the chord 1.5 - 0.5 w. Result:
+    # a few-ulp log1p (tiny u included: w = 1 gives u) for two MUFU ops (exp, log), no divide.
     u = tl.exp(-tl.abs(s))
     w = 1.0 + u
-    tiny = w == 1.0
-    lp = tl.where(tiny, u, tl.log(w) * (u / tl.where(tiny, 1.0, w - 1.0)))
+    lp = tl.log(w) + (u - (w - 1.0)) * (1.5 - 0.5 * w)
     return tl.maximum(s, 0.0) + lp, u, w
 
 
-@_Kernel
+@triton.jit
 def _softplus(s):
     sp, _, _ = _softplus_parts(s)
     return sp
 
 
-@_Kernel
+@triton.jit
 def _softplus_sigmoid(s):
     sp, u, w = _softplus_parts(s)
     return sp, tl.where(s >= 0, 1.0 / w, u / w)  # sigmoid from the same exp(-|s|)
 
 
-@_Kernel
+@triton.jit
 def _ipow(r, E: tl.constexpr):
     # r**E by square-and-multiply, unrolled at compile time (E <= 127).
     res = tl.full(r.shape, 1.0, tl.float32)
@@ -135,7 +136,7 @@ def _ipow(r, E: tl.constexpr):
     return res
 
 
-@_Kernel
+@triton.jit
 def _sharpen(a, mu, inv_xmax, p, P_INT: tl.constexpr):
     # (r^p, r^(p-1)) for r = relu(a - mu) / x_max; r^(p-1) := 0 where r = 0 (dx = 0 there, and
     # r^(p-1) is 1 or unbounded at r = 0 for p <= 1). P_INT > 0: integer p, exact products.
@@ -149,7 +150,7 @@ def _sharpen(a, mu, inv_xmax, p, P_INT: tl.constexpr):
     return rpm1 * r, rpm1
 
 
-@_Kernel
+@triton.jit
 def _scores(
     q,
     k,
@@ -182,7 +183,7 @@ def _scores(
     return s, vis
 
 
-@_Kernel
+@triton.jit
 def _row_scale(n, c0, IQr, rows, rmask, LOG_N: tl.constexpr, QK_NORM: tl.constexpr):
     # c_i (times 1/|q_i| when q is normalised in-kernel): ln(d) ln(N_i), or the constant scale.
     if LOG_N:
@@ -194,7 +195,7 @@ def _row_scale(n, c0, IQr, rows, rmask, LOG_N: tl.constexpr, QK_NORM: tl.constex
     return c
 
 
-@_Kernel
+@triton.jit
 def _probs_dscores(
     a, sig, dp, vis, mu, inv_xmax, has, coef, fn, d, winv, p, P_INT: tl.constexpr, REWEIGHT
 ):
@@ -215,15 +216,15 @@ def _probs_dscores(
 # ----------------------------------------------------------------------------- kernels
 
 
-@_Kernel
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, ST, IQ, IK, M,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb, smh, smq, smk,
-    H, G, Tq, Tk, off, plane, c0, p, tq_key, tk_key,
+    H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -271,8 +272,10 @@ def _fwd_kernel(
             z += tl.sum(tl.where(vis, _softplus(s), 0.0), 1)
             mx = tl.maximum(mx, tl.max(tl.where(vis, s, float("-inf")), 1))
         mu = tl.where(n > 3.0, z / tl.maximum(n, 1.0), 0.0)
-        # softplus is monotone: the row's largest x is softplus(max s) - mu (0 for empty rows)
+        # softplus is monotone: the row's largest x is softplus(max s) - mu (0 for empty rows);
+        # deviations within tol * mu of the mean are rounding noise: a uniform row, LSSA weights
         xmax = tl.maximum(_softplus(mx) - mu, 0.0)
+        xmax = tl.where(xmax > tol * mu, xmax, 0.0)
     has = xmax > 0
     inv_xmax = 1.0 / tl.where(has, xmax, 1.0)
 
@@ -304,7 +307,7 @@ def _fwd_kernel(
             mask=kmask[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
         )
-        acc += _dot(w.to(v.dtype), v, IEEE, UPCAST)
+        acc += _dot_lp(w, v, IEEE, UPCAST, SPLIT)
     out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
     tl.store(
         O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :],
@@ -316,16 +319,16 @@ def _fwd_kernel(
     tl.store(ST + 3 * plane + rows, wsum, mask=rmask)
 
 
-@_Kernel
+@triton.jit
 def _bwd_rows_kernel(
     Q, K, V, O, GO, ST, DF, IQ, IK, M,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sgb, sgh, sgt,
     smb, smh, smq, smk,
-    H, G, Tq, Tk, off, plane, c0, p, tq_key, tk_key,
+    H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # D_i = sum_j P_ij dP_ij and F_i = sum_j dx_ij. For LSSAR both come from one pass over the
     # keys with the same fp32 P as the dq/dk/dv kernels (not from the rounded output):
@@ -406,15 +409,15 @@ def _bwd_rows_kernel(
     tl.store(DF + plane + rows, f, mask=rmask)
 
 
-@_Kernel
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, GO, ST, DF, IQ, IK, M, DQ,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt, smb, smh, smq, smk,
-    H, G, Tq, Tk, off, plane, c0, p, tq_key, tk_key,
+    H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # dq_fix_i = sum_j ds_ij c_i / (|q_i| |k_j|) k_j (gradient at fixed norms), fp32 (B,H,Tq,BD).
     pid_m = tl.program_id(0)
@@ -483,21 +486,21 @@ def _bwd_dq_kernel(
         ds = ds * cq[:, None]
         if QK_NORM:
             ds = ds * ik[None, :]
-        dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+        dq += _dot_lp(ds, k, IEEE, UPCAST, SPLIT)
     tl.store(
         DQ + rows[:, None] * BD + offs_d[None, :], dq, mask=rmask[:, None] & (offs_d[None, :] < D)
     )
 
 
-@_Kernel
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, GO, ST, DF, IQ, IK, M, DK, DVO,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt, smb, smh, smq, smk,
-    H, G, Tq, Tk, off, plane, c0, p, tq_key, tk_key,
+    H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # One key block of one kv head; loops over the G query heads of its GQA group and over the
     # query blocks that can see it, so dk/dv are summed in registers (deterministic).
@@ -570,8 +573,8 @@ def _bwd_dkdv_kernel(
             ds = ds * cq[:, None]
             if QK_NORM:
                 ds = ds * ik[None, :]
-            dv += _dot(tl.trans(prob.to(go.dtype)), go, IEEE, UPCAST)
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+            dv += _dot_lp(tl.trans(prob), go, IEEE, UPCAST, SPLIT)
+            dk += _dot_lp(tl.trans(ds), q, IEEE, UPCAST, SPLIT)
     kv_rows = pid_bk * Tk + offs_n
     tl.store(
         DK + kv_rows[:, None] * BD + offs_d[None, :],
@@ -585,9 +588,12 @@ def _bwd_dkdv_kernel(
     )
 
 
+# set when triton.jit returned interpreter functions (a module constant: torch.compile reads it)
+_INTERPRETED = not isinstance(_fwd_kernel, triton.runtime.JITFunction)
+
 # ----------------------------------------------------------------------------- autotuning
 
-_TUNE_KEY = ["tq_key", "tk_key", "BD", "BDV", "CAUSAL", "HAS_MASK", "REWEIGHT", "P_INT", "IEEE"]
+_TUNE_KEY = ["tq_key", "tk_key", "BD", "BDV", "CAUSAL", "HAS_MASK", "REWEIGHT", "P_INT", "SPLIT"]
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -602,11 +608,13 @@ def _prune_rows(configs: list[triton.Config], named_args: dict, **kwargs: Any) -
 
 
 # Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
+# The lists hold, for D = 64 and 128, configurations that ptxas (sm_90a) compiles without
+# register spills, plus a few larger tiles for the autotuner to weigh against them.
 _ROW_CONFIGS = _configs(
     [
         (128, 64, 8, 3),
-        (128, 64, 4, 3),
-        (128, 32, 4, 3),
+        (128, 64, 8, 2),
+        (128, 32, 8, 2),
         (64, 64, 4, 3),
         (64, 32, 4, 2),
         (128, 128, 8, 2),
@@ -616,9 +624,10 @@ _ROW_CONFIGS = _configs(
 _COL_CONFIGS = _configs(
     [
         (32, 128, 8, 2),
+        (32, 64, 8, 2),
         (64, 128, 8, 2),
-        (32, 64, 4, 3),
-        (64, 64, 4, 2),
+        (32, 32, 4, 2),
+        (64, 32, 4, 2),
         (16, 64, 4, 2),
     ]
 )
@@ -632,7 +641,7 @@ _dkdv_tuned = triton.autotune(_COL_CONFIGS, key=_TUNE_KEY)(_bwd_dkdv_kernel)
 
 
 def _launch(kernel, tuned, rows: int, parallel: int, *args: Any, **kwargs: Any) -> None:
-    """Launch over ``ceil(rows / block) x parallel`` programs; fixed 16x16 tiles when interpreted."""
+    """Launch ``ceil(rows / block) x parallel`` programs; fixed 16x16 tiles when interpreted."""
     if _interpreting():
         grid = (triton.cdiv(rows, INTERPRET_BLOCK), parallel)
         kernel[grid](*args, BM=INTERPRET_BLOCK, BN=INTERPRET_BLOCK, **kwargs)
@@ -711,7 +720,7 @@ def _unnormalise_grad(x: Tensor, g_fix: Tensor) -> Tensor:
 class _Launch:
     """Everything the four kernels share: pointers' strides, sizes, flags."""
 
-    def __init__(self, q, k, v, mask, is_causal, scale, log_n, qk_norm, p, stats):
+    def __init__(self, q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats):
         B, H, t_q, d = q.shape
         hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
         self.B, self.H, self.HK, self.t_q, self.t_k = B, H, hk, t_q, t_k
@@ -726,16 +735,8 @@ class _Launch:
             # bool -> uint8 view keeps the broadcast (zero) strides: no copy of the mask
             self.m = m4.expand(B, H, t_q, t_k).view(torch.uint8)
             self.mstrides = self.m.stride()
-        self.scalars = (
-            H,
-            H // hk,
-            t_q,
-            t_k,
-            t_k - t_q,
-            B * H * t_q,
-            scale,
-            1.0 if p is None else p,
-        )
+        pp = 1.0 if p is None else p
+        self.scalars = (H, H // hk, t_q, t_k, t_k - t_q, B * H * t_q, scale, pp, UNIFORM_TOL)
         self.keys = (_len_key(t_q), _len_key(t_k))
         self.meta = dict(
             D=d,
@@ -750,6 +751,7 @@ class _Launch:
             P_INT=_p_int(p),
             IEEE=q.dtype == torch.float32,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+            SPLIT=bool(precise) and q.dtype in (torch.float16, torch.bfloat16),
         )
 
     def strides(self, *ts: Tensor) -> tuple[int, ...]:
@@ -760,16 +762,19 @@ def _contiguous_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p) -> tuple[Tensor, Tensor]:
+def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
-    out = torch.zeros(B, H, t_q, v.shape[-1], dtype=q.dtype, device=q.device)
+    # the Triton 3.9 interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): let torch
+    # round the interpreter's bf16 outputs
+    buf_dtype = torch.float32 if _interpreting() and q.dtype == torch.bfloat16 else q.dtype
+    out = torch.zeros(B, H, t_q, v.shape[-1], dtype=buf_dtype, device=q.device)
     stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=q.device)  # N, mu, x_max, W
     if t_q == 0 or t_k == 0 or B * H == 0:
         return out, stats
     stats[0] = _visible_counts(_mask4(mask), is_causal, B, H, t_q, t_k, q.device)
-    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, stats)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats)
     _launch(
         _fwd_kernel,
         _fwd_tuned,
@@ -780,17 +785,17 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p) -> tuple[Tensor
         *L.scalars, *L.keys,
         **L.meta,
     )  # fmt: skip
-    return out, stats
+    return out.to(q.dtype), stats
 
 
-def _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p):
+def _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise):
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     grad, out = _contiguous_last(grad), _contiguous_last(out)
     B, H, t_q, d = q.shape
     hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
     if t_q == 0 or t_k == 0 or B * H == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, stats)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats)
     bd, bdv = L.meta["BD"], L.meta["BDV"]
     dev = q.device
     df = torch.empty(2, B, H, t_q, dtype=torch.float32, device=dev)  # D_i, F_i
@@ -845,18 +850,20 @@ def triton_softplus_attention_op(
     log_n: bool,
     qk_norm: bool,
     p: float | None,
+    precise: bool,
 ) -> tuple[Tensor, Tensor]:
     """Fused forward. ``q (B,H_q,T_q,D)``, ``k (B,H_kv,T_k,D)``, ``v (B,H_kv,T_k,D_v)`` ->
     ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W).
 
     ``scale`` is ``ln(D)`` when ``log_n`` (then ``c_i = scale * ln N_i``), else the constant ``c``;
-    ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None.
+    ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None;
+    ``precise`` splits half-precision weights into two products (see :func:`triton_attention`).
     """
-    return _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p)
+    return _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise)
 
 
 @triton_softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p):
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
     B, H, t_q, _ = q.shape
     return q.new_empty(B, H, t_q, v.shape[-1]), q.new_empty(4, B, H, t_q, dtype=torch.float32)
 
@@ -875,22 +882,23 @@ def triton_softplus_attention_backward_op(
     log_n: bool,
     qk_norm: bool,
     p: float | None,
+    precise: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``; dk/dv summed over
     each GQA group."""
-    return _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p)
+    return _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise)
 
 
 @triton_softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p):
+def _(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, qk_norm, p = inputs
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise = inputs
     out, stats = output
     ctx.save_for_backward(q, k, v, out, mask, stats)
-    ctx.args = (is_causal, scale, log_n, qk_norm, p)
+    ctx.args = (is_causal, scale, log_n, qk_norm, p, precise)
     ctx.mark_non_differentiable(stats)
 
 
@@ -899,7 +907,7 @@ def _autograd_backward(ctx, grad, _grad_stats):
     dq, dk, dv = triton_softplus_attention_backward_op(
         grad.contiguous(), q, k, v, out, mask, stats, *ctx.args
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 triton_softplus_attention_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -917,6 +925,7 @@ def triton_attention(
     *,
     variant: Variant,
     options: dict[str, Any],
+    precise: bool = True,
 ) -> Tensor:
     """Fused softplus-l1 attention (lssa, lssar, softplus-l1; any ``p``) on Triton.
 
@@ -926,6 +935,7 @@ def triton_attention(
     broadcastable to ``(B, H_q, T_q, T_k)``, combinable with ``is_causal`` (bottom-right aligned).
     Rows with no visible key are 0 with 0 gradients. Needs CUDA tensors, or ``TRITON_INTERPRET=1``
     for CPU tensors; float64 inputs run on :func:`lssar.ops.chunked.chunked_attention`.
+    ``precise=False`` trades half-precision accuracy for speed (see the module docstring).
     """
     if dropout_p > 0:
         raise ValueError("impl='triton' has no dropout; use impl='reference' for dropout_p > 0")
@@ -941,7 +951,8 @@ def triton_attention(
         )  # fmt: skip
     if not query.is_cuda and not _interpreting():
         raise RuntimeError(
-            f"impl='triton' needs a CUDA device or TRITON_INTERPRET=1 (got {query.device} tensors)"
+            f"impl='triton' needs a CUDA device or TRITON_INTERPRET=1 (got {query.device} "
+            "tensors; the variable must be set before triton is first imported)"
         )
     d, dv = query.shape[-1], value.shape[-1]
     if max(d, dv) > MAX_HEAD_DIM:
@@ -961,6 +972,7 @@ def triton_attention(
         log_n,
         bool(variant.qk_norm),
         None if p is None else float(p),
+        bool(precise),
     )
     return out
 

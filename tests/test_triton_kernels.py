@@ -1,0 +1,275 @@
+"""The Triton kernels (impl="triton") against the reference, forward and backward.
+
+Without CUDA the kernels run in the Triton interpreter on CPU tensors (slow: shapes stay small);
+with CUDA the same matrix runs compiled, and the ``gpu``-marked tests add long sequences.
+Errors (RMS) are measured against a float64 run of the reference on the same (rounded) inputs:
+the fast path must stay within 2x (output) / 3x (gradients) of the reference's own error in the
+same dtype, with an absolute floor so that exact-zero errors compare sanely.
+"""
+
+import functools
+import os
+
+import torch
+
+# triton.jit (also inside triton.language, e.g. tl.zeros) picks compiled or interpreted code when
+# a function is decorated: without a GPU the variable must exist before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from lssar.ops import registry  # noqa: E402
+from lssar.ops.reference import reference_attention  # noqa: E402
+from lssar.ops.variants import VARIANTS  # noqa: E402
+
+pytest.importorskip("triton")
+from lssar.ops import triton_kernels as tk  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not tk._interpreting():
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module?): "
+        "set it in the environment or in tests/conftest.py, or run this file alone",
+        allow_module_level=True,
+    )
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}
+
+
+def _variant(name: str, p: float | None = None):
+    v = VARIANTS[name]
+    opts = dict(v.options)
+    if "p" in opts:
+        opts["p"] = p
+    return v, opts
+
+
+def _inputs(b, hq, hk, tq, tk, d, dtype, seed=0, dv=None):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, dv or d))
+    # round to the test dtype once, so golden and fast paths see identical inputs
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _rms(err: torch.Tensor) -> float:
+    # RMS rather than max: a max over a few sharpened (p = 15) entries is too noisy a statistic
+    # for a 2x bound, while any real bug (a wrong row, a wrong term) moves the RMS by orders.
+    return err.pow(2).mean().sqrt().item() if err.numel() else 0.0
+
+
+def _run(fn, q, k, v, grad, **kw):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v, **kw)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    return out, dq, dk, dv
+
+
+def _check(name, p, q, k, v, mask=None, causal=False, gqa=False, grads=True, mult=(2.0, 3.0),
+           **fast_kw):  # fmt: skip
+    """Fast vs reference error (both vs the float64 reference) for out and dq, dk, dv."""
+    variant, opts = _variant(name, p)
+    dtype = q.dtype
+    kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=gqa, variant=variant, options=opts)
+    g = torch.Generator().manual_seed(123)
+    grad = torch.randn(q.shape[:-1] + v.shape[-1:], generator=g, dtype=torch.float64)
+    dev = [x.to(DEVICE) for x in (q, k, v, grad)]
+    if mask is not None:
+        kw["attn_mask"] = mask.to(DEVICE)
+    gold = _run(reference_attention, *(x.double() for x in dev[:3]), dev[3], **kw)
+    ref = _run(reference_attention, *dev, **kw)
+    fast = _run(functools.partial(tk.triton_attention, **fast_kw), *dev, **kw)
+    labels = ("out", "dq", "dk", "dv") if grads else ("out",)
+    for label, gd, r, f in zip(labels, gold, ref, fast):
+        assert f.dtype == dtype and f.shape == gd.shape, label
+        assert torch.isfinite(f).all(), label
+        ref_err = _rms(r.double() - gd)
+        fast_err = _rms(f.double() - gd)
+        allowed = max(mult[label != "out"] * ref_err, FLOOR[dtype])
+        assert fast_err <= allowed, (
+            f"{label}: fast {fast_err:.3g} > {allowed:.3g} (ref {ref_err:.3g})"
+        )
+    return fast
+
+
+CASES = [("lssa", None), ("lssar", 15.0), ("lssar", 3.0), ("lssar", 1.0), ("lssar", 2.5)]
+
+
+@pytest.mark.parametrize("t,d", [(1, 32), (7, 16), (33, 100)])
+@pytest.mark.parametrize("name,p", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_reference_fp32(t, d, name, p, causal):
+    q, k, v = _inputs(2, 2, 2, t, t, d, torch.float32, seed=t + d)
+    _check(name, p, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("scale", [None, 2.0])
+def test_softplus_l1_sdpa_scaling(scale):
+    variant, opts = _variant("softplus-l1")
+    q, k, v = _inputs(1, 2, 2, 19, 19, 32, torch.float32, seed=5)
+    gold = reference_attention(q.double(), k.double(), v.double(), scale=scale,
+                               variant=variant, options=opts)  # fmt: skip
+    ref = reference_attention(q, k, v, scale=scale, variant=variant, options=opts)
+    fast = tk.triton_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale=scale,
+                               variant=variant, options=opts).cpu()  # fmt: skip
+    assert (fast.double() - gold).abs().max() <= max(2 * (ref.double() - gold).abs().max(), 1e-6)
+    with pytest.raises(AssertionError):  # the scale is really used
+        torch.testing.assert_close(fast, tk.triton_attention(
+            q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale=7.0, variant=variant, options=opts
+        ).cpu())  # fmt: skip
+
+
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
+def test_gqa_causal(name, p):
+    q, k, v = _inputs(1, 4, 2, 21, 21, 32, torch.float32, seed=3)
+    _check(name, p, q, k, v, causal=True, gqa=True)
+
+
+@pytest.mark.parametrize("tq,tk", [(5, 19), (19, 5)])
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
+def test_kv_cache_bottom_right_causal(tq, tk, name, p):
+    """T_q != T_k: query t sits at T_k - T_q + t; for T_q > T_k the first rows see nothing."""
+    q, k, v = _inputs(1, 2, 2, tq, tk, 32, torch.float32, seed=tq)
+    out = _check(name, p, q, k, v, causal=True)[0]
+    if tq > tk:
+        assert (out[:, :, : tq - tk] == 0).all()
+
+
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0), ("lssar", 1.0)])
+def test_padding_mask_with_empty_row(name, p):
+    q, k, v = _inputs(2, 2, 2, 9, 12, 32, torch.float32, seed=11)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 1, 9, 12, generator=g) > 0.3
+    mask[0, 0, 4] = False  # a fully masked row: zeros and zero gradients, never NaN
+    mask[1, 0, 2, :2] = True  # small-N rows
+    mask[1, 0, 2, 2:] = False
+    out, dq, _, _ = _check(name, p, q, k, v, mask=mask)
+    assert (out[0, :, 4] == 0).all() and (dq[0, :, 4] == 0).all()
+
+
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
+def test_key_padding_with_causal_and_per_head_mask(name, p):
+    q, k, v = _inputs(2, 2, 2, 16, 16, 32, torch.float32, seed=12)
+    keep = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    keep[1, ..., 11:] = False  # right padding of the second sequence
+    _check(name, p, q, k, v, mask=keep, causal=True)
+    per_head = torch.rand(2, 2, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.5
+    _check(name, p, q, k, v, mask=per_head)
+
+
+def test_identical_keys_fall_back_to_lssa():
+    """Every x_ij = 0 (all visible Softplus values equal): the LSSA weights, here uniform."""
+    q, k, v = _inputs(1, 1, 1, 8, 8, 32, torch.float32, seed=2)
+    k = k[:, :, :1].expand_as(k).contiguous()
+    out = _check("lssar", 15.0, q, k, v, causal=True)[0]
+    uniform = torch.cumsum(v[0, 0], 0) / torch.arange(1, 9).unsqueeze(-1)
+    torch.testing.assert_close(out[0, 0].cpu(), uniform, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0), ("lssar", 3.0)])
+def test_bf16(name, p):
+    q, k, v = _inputs(1, 2, 2, 33, 33, 64, torch.bfloat16, seed=4)
+    _check(name, p, q, k, v, causal=True)
+
+
+def test_fp16():
+    q, k, v = _inputs(1, 2, 2, 20, 20, 32, torch.float16, seed=13)
+    _check("lssar", 15.0, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
+def test_bf16_fast_rounding(name, p):
+    """precise=False rounds weights once for the MMAs (FlashAttention grade): a looser bound."""
+    q, k, v = _inputs(1, 2, 2, 33, 33, 64, torch.bfloat16, seed=4)
+    _check(name, p, q, k, v, causal=True, mult=(4.0, 4.0), precise=False)
+
+
+def test_value_head_dim_differs():
+    q, k, _ = _inputs(1, 2, 2, 10, 10, 32, torch.float32, seed=6)
+    v = _inputs(1, 2, 2, 10, 10, 48, torch.float32, seed=7)[2]
+    _check("lssar", 15.0, q, k, v, causal=True)
+
+
+def test_float64_runs_chunked():
+    variant, opts = _variant("lssar", 15.0)
+    q, k, v = _inputs(1, 2, 2, 9, 9, 16, torch.float64, seed=8)
+    ref = reference_attention(q, k, v, is_causal=True, variant=variant, options=opts)
+    fast = tk.triton_attention(q, k, v, is_causal=True, variant=variant, options=opts)
+    torch.testing.assert_close(fast, ref)
+
+
+def test_registered_and_reachable_through_attention():
+    from lssar import attention
+
+    assert "triton" in registry.IMPLS
+    assert registry.IMPLS["triton"][1](*_variant("lssar", 15.0))
+    assert not registry.IMPLS["triton"][1](*_variant("softmax"))
+    q, k, v = (x.to(DEVICE) for x in _inputs(1, 2, 2, 6, 6, 16, torch.float32))
+    torch.testing.assert_close(
+        attention(q, k, v, is_causal=True, variant="lssar", impl="triton"),
+        attention(q, k, v, is_causal=True, variant="lssar", impl="reference"),
+    )
+
+
+def test_clear_errors(monkeypatch):
+    variant, opts = _variant("lssar", 15.0)
+    q, k, v = _inputs(1, 1, 1, 4, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="dropout"):
+        tk.triton_attention(q, k, v, dropout_p=0.1, variant=variant, options=opts)
+    with pytest.raises(ValueError, match="softplus-l1"):
+        tk.triton_attention(q, k, v, variant=VARIANTS["softmax"], options={"p": None})
+    monkeypatch.setattr(tk, "_INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="needs a CUDA device or TRITON_INTERPRET=1"):
+        tk.triton_attention(q, k, v, variant=variant, options=opts)
+
+
+def test_torch_compile_fullgraph():
+    """The custom op keeps a torch.compile graph whole, forward and backward."""
+    variant, opts = _variant("lssar", 15.0)
+    q, k, v = (x.to(DEVICE).requires_grad_() for x in _inputs(1, 2, 2, 7, 7, 16, torch.float32))
+
+    def f(q, k, v):
+        return tk.triton_attention(q, k, v, is_causal=True, variant=variant, options=opts).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled(q, k, v).backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    f(q, k, v).backward()
+    for a, b in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_opcheck():
+    q, k, v = (x.to(DEVICE) for x in _inputs(1, 2, 1, 5, 5, 16, torch.float32))
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool, device=DEVICE)
+    torch.library.opcheck(
+        tk.triton_softplus_attention_op,
+        (q, k, v, mask, True, 2.77, True, True, 15.0, True),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+# --------------------------------------------------------------------------- real GPU only
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0), ("lssar", 3.0)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_long_bf16(name, p, d):
+    q, k, v = _inputs(1, 4, 2, 4096, 4096, d, torch.bfloat16, seed=d)
+    _check(name, p, q, k, v, causal=True, gqa=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
+def test_gpu_odd_shapes(name, p):
+    q, k, v = _inputs(2, 4, 4, 1000, 1111, 100, torch.bfloat16, seed=1)
+    _check(name, p, q, k, v, causal=True)
+    q, k, v = _inputs(2, 4, 4, 777, 777, 64, torch.float16, seed=2)
+    mask = torch.rand(2, 1, 777, 777, generator=torch.Generator().manual_seed(0)) > 0.2
+    _check(name, p, q, k, v, mask=mask, causal=True)
