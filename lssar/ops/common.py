@@ -124,7 +124,7 @@ def visible_counts(mask: Tensor | None, t_q: int, t_k: int, device: torch.device
 
 
 def expand_kv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Repeat key/value heads for grouped-query attention (differentiable; dk/dv sum over groups)."""
+    """Repeat key/value heads for GQA (differentiable: dk/dv sum over each group)."""
     groups = query.shape[1] // key.shape[1]
     if groups == 1:
         return key, value

@@ -36,7 +36,7 @@ from lssar.ops.variants import Variant
 def scores(
     q: Tensor, k: Tensor, n: Tensor, variant: Variant, scale: float | None, options: dict[str, Any]
 ) -> Tensor:
-    """Scaled scores ``s_ij = c_i q_i.k_j`` ``(B, H, T_q, T_k)`` for ``q (B,H,T_q,D)``, ``k (B,H,T_k,D)``."""
+    """Scores ``s_ij = c_i q_i.k_j (B,H,T_q,T_k)`` of ``q (B,H,T_q,D)``, ``k (B,H,T_k,D)``."""
     d = q.shape[-1]
     if variant.qk_norm:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
