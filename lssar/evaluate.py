@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import tempfile
@@ -44,6 +45,10 @@ def parse_multiples(text: str | list[int] | tuple[int, ...]) -> list[int]:
             f"lengths must be positive integer multiples of the training length, got {text!r}"
         )
     return sorted(set(out))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -304,9 +309,9 @@ def evaluate_run(
         "trained_attention": trained,
         "evaluated_attention": evaluated,
         "step": meta.get("step"),
-        "config": meta.get("config"),
+        "config": dataclasses.asdict(cfg),
         "settings": settings,
-        "env": meta.get("env"),
+        "env": _read_json(run_dir / "env.json"),
     }
     result.update(loss_vs_length(model, val, train_len, multiples, eval_tokens, progress))
     if diagnostics:
