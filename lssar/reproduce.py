@@ -66,6 +66,7 @@ PRESETS = {
         "tiny-cpu",
         [("softmax", None), ("lssa", None), ("lssar", 15.0)],
         eval_reweight=[15.0],
+        eval_tokens=16384,
         budget="<= 15 min on 2 CPU cores",
     ),
     "cpu": Preset(
