@@ -607,3 +607,33 @@ def iter_eval_windows(
     n_windows = min((len(tokens) - 1) // seq_len, max_tokens // seq_len)
     for b in range(0, n_windows, batch_size):
         yield _windows(tokens, np.arange(b, min(b + batch_size, n_windows)) * seq_len, seq_len)
+
+
+# --------------------------------------------------------------------------------------- CLI
+
+
+def cli(argv: list[str]) -> int:
+    """``lssar data prepare --corpus NAME --tokenizer NAME [--out DIR] ...``: print the result."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="lssar data", description="Prepare token shards.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/val shards + manifest")
+    p.add_argument("--corpus", default="shakespeare", help="shakespeare, a file/dir, or hf:...")
+    p.add_argument("--tokenizer", default="byte", help="byte, gpt2 or bpe-<N>")
+    p.add_argument("--out", default=None, help="default: data/<corpus>-<tokenizer>")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens (both splits)")
+    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    a = ap.parse_args(argv)
+    kw = dict(val_fraction=a.val_fraction, seed=a.seed, max_tokens=a.max_tokens)
+    out = prepare(a.corpus, a.tokenizer, a.out, **kw, max_docs=a.max_docs, progress=a.progress)
+    m = read_manifest(out)
+    splits = ", ".join(f"{s} {m['splits'][s]['tokens']:,}" for s in SPLITS)
+    print(
+        f"{out}\n{m['corpus']} [{m['tokenizer']}, vocab {m['vocab_size']}]: "
+        f"{m['n_documents']:,} documents, {m['total_tokens']:,} tokens ({splits})"
+    )
+    return 0

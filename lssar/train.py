@@ -1,0 +1,747 @@
+"""Training: one loop for a single process and ``torchrun`` DDP, with exact resume.
+
+A run is the directory ``out_dir/run_name``: ``config.json`` (resolved config), ``env.json``
+(code version, versions, hardware), ``log.jsonl`` (one JSON per train/eval event), atomic
+checkpoints ``ckpt/latest.pt`` / ``ckpt/final.pt`` and a ``DONE`` marker. The data order is a
+pure function of ``(seed, step, micro_step, rank)`` (:func:`lssar.data.get_batch`) and the LR a
+function of the step, so resuming from a checkpoint replays exactly the steps an uninterrupted
+run takes: no RNG state is saved. ``batch_size`` is per rank; a step sees
+``world_size * batch_size * grad_accum`` windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import typing
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from lssar import data
+from lssar.model import GPT, GPTConfig, check_attention
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CKPT_FORMAT = "lssar-ckpt"
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+# GPTConfig fields that TrainConfig holds under the same name (vocab_size comes from the data).
+_MODEL_KEYS = [
+    f.name for f in dataclasses.fields(GPTConfig) if f.name not in ("vocab_size", "attn_options")
+]
+_POSITIVE = "n_layer seq_len batch_size grad_accum max_steps eval_every ckpt_every log_every"
+# Fields that change how a run is watched or where it lives, not what it computes: a resumed run
+# may change them freely.
+BOOKKEEPING = frozenset(
+    "eval_every log_every ckpt_every max_time_s compile device out_dir run_name preset".split()
+)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; flat, so every field is a ``--key=value`` flag."""
+
+    # data
+    corpus: str = "shakespeare"
+    tokenizer: str = "byte"
+    data_dir: str | None = None  # None -> data.prepare(corpus, tokenizer) default dir
+    # model (-> GPTConfig; vocab_size comes from the dataset manifest)
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None
+    n_embd: int = 128
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    rope_base: float = 10000.0
+    attn: str = "softmax"
+    attn_p: float | None = None  # -> attn_options {"p": ...}; None = the variant's default
+    attn_impl: str = "auto"
+    # optimisation
+    seq_len: int = 128
+    batch_size: int = 32  # per rank
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    dtype: str = "auto"  # "auto" = bf16 autocast where supported, "bf16", "fp32"
+    compile: bool = False
+    seed: int = 0
+    device: str = "auto"
+    # bookkeeping
+    eval_every: int = 100
+    eval_tokens: int = 32768
+    ckpt_every: int = 200
+    log_every: int = 10
+    out_dir: str = "runs"
+    run_name: str | None = None  # None -> f"{preset or 'custom'}-{attn}[-p{p}]-s{seed}"
+    preset: str | None = None
+    max_time_s: float | None = None  # wall-clock budget: checkpoint and stop when exceeded
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def list_presets() -> list[str]:
+    """Names of the presets in the repository's ``configs/`` directory."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def _parse(key: str, value: Any, tp: Any) -> Any:
+    """``value`` (a string from the command line, or a TOML/dict value) as the field's type."""
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    base = next(a for a in args if a is not type(None)) if args else tp
+    want = f"{base.__name__}{' or none' if optional else ''}"
+    if isinstance(value, str) and optional and value.strip().lower() in ("none", "null", ""):
+        return None
+    if isinstance(value, str) and base is not str:
+        s = value.strip().lower()
+        try:
+            if base is bool:
+                return _BOOLS[s]
+            return base(s)
+        except (KeyError, ValueError):
+            raise ValueError(f"{key}: expected {want}, got {value!r}") from None
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ValueError(f"{key}: expected {want}, got {value!r}")
+    return value
+
+
+def _coerce(values: dict[str, Any], source: str) -> dict[str, Any]:
+    types = typing.get_type_hints(TrainConfig)
+    out = {}
+    for key, value in values.items():
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(
+                f"unknown config key {key!r} in {source}{hint}; `lssar train --help` lists them"
+            )
+        out[key] = _parse(key, value, types[key])
+    return out
+
+
+def _preset_path(preset: str) -> Path:
+    if preset.endswith(".toml"):
+        path = Path(preset).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"preset file {path} does not exist")
+        return path
+    path = PRESETS_DIR / f"{preset}.toml"
+    if not path.is_file():
+        raise ValueError(
+            f"unknown preset {preset!r}; presets: {', '.join(list_presets())} "
+            "(or a path to a .toml file)"
+        )
+    return path
+
+
+def load_config(
+    preset: str | None = None, overrides: list[str] | dict[str, Any] | None = None
+) -> TrainConfig:
+    """Dataclass defaults < ``configs/<preset>.toml`` (or a .toml path) < ``overrides``.
+
+    ``overrides`` is a dict or ``"--key=value"`` / ``"key=value"`` strings (``--max-steps`` works
+    as ``--max_steps``); strings are parsed to the field's type (``none`` for optional fields).
+    Unknown keys, bad values, and invalid attention settings raise ``ValueError``.
+    """
+    values: dict[str, Any] = {}
+    if preset is not None:
+        path = _preset_path(preset)
+        try:
+            table = tomllib.loads(path.read_text("utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path} is not valid TOML: {e}") from e
+        values |= _coerce(table, str(path)) | {"preset": preset}
+    if isinstance(overrides, dict):
+        values |= _coerce(overrides, "overrides")
+    else:
+        pairs = {}
+        for item in overrides or []:
+            key, eq, value = item.removeprefix("--").partition("=")
+            if not eq or not key:
+                raise ValueError(f"override {item!r}: expected --key=value")
+            pairs[key.replace("-", "_")] = value
+        values |= _coerce(pairs, "the overrides")
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def attn_options(cfg: TrainConfig) -> dict[str, Any]:
+    return {} if cfg.attn_p is None else {"p": cfg.attn_p}
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The :class:`GPTConfig` of ``cfg`` for a dataset with ``vocab_size`` tokens."""
+    shared = {k: getattr(cfg, k) for k in _MODEL_KEYS}
+    return GPTConfig(vocab_size=vocab_size, attn_options=attn_options(cfg), **shared)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the first setting that cannot work."""
+    check_attention(cfg.attn, attn_options(cfg), cfg.attn_impl)
+    model_config(cfg, 256)  # shape checks (heads divide width, even head dim)
+    for key in _POSITIVE.split():
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.eval_tokens < cfg.seq_len:
+        raise ValueError(f"eval_tokens={cfg.eval_tokens} must be >= seq_len={cfg.seq_len}")
+    if cfg.warmup_steps < 0 or not 0 <= cfg.min_lr <= cfg.lr or not 0 <= cfg.dropout < 1:
+        raise ValueError("need warmup_steps >= 0, 0 <= min_lr <= lr and 0 <= dropout < 1")
+    if cfg.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"dtype={cfg.dtype!r}: use auto, bf16 or fp32")
+    if cfg.device != "auto":
+        try:
+            torch.device(cfg.device)
+        except RuntimeError as e:
+            raise ValueError(f"device={cfg.device!r}: {e}") from None
+
+
+def default_run_name(cfg: TrainConfig) -> str:
+    p = "" if cfg.attn_p is None else f"-p{cfg.attn_p:g}"
+    return f"{Path(cfg.preset).stem if cfg.preset else 'custom'}-{cfg.attn}{p}-s{cfg.seed}"
+
+
+def run_dir_for(cfg: TrainConfig) -> Path:
+    """Where :func:`train` puts the run of ``cfg``."""
+    return Path(cfg.out_dir) / (cfg.run_name or default_run_name(cfg))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
+
+
+# ------------------------------------------------------------------------- files, checkpoints
+
+
+def _atomic_write(path: Path, write: typing.Callable[[typing.BinaryIO], Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def _load_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # a damaged file surfaces as RuntimeError, EOFError, pickle errors...
+        raise ValueError(
+            f"checkpoint {path} is corrupt ({_one_line(e)}): delete it or start a new run"
+        ) from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise ValueError(
+            f"checkpoint {path} is not an lssar checkpoint: delete it or start a new run"
+        )
+    return ckpt
+
+
+def _load_model_state(model: GPT, ckpt: dict[str, Any], path: Path) -> None:
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ValueError(
+            f"checkpoint {path} does not fit this model ({_one_line(e)}): the "
+            "config's model shape differs; use a new --run_name"
+        ) from e
+
+
+def _environment(device: torch.device, world: int) -> dict[str, Any]:
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(
+                ["git", *args], cwd=PRESETS_DIR.parent, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    return {
+        "git_sha": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "world_size": world,
+        "argv": sys.argv,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+class _Dist(NamedTuple):
+    rank: int
+    world: int
+    device: torch.device
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _setup_distributed(device_opt: str) -> tuple[_Dist, bool]:
+    """Rank, world size and device from torchrun's env; True if this call made the group."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if device_opt == "auto" else device_opt
+    device = torch.device(name)
+    if device.type == "cuda":
+        if world > 1 and device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # for the fp32 matmuls outside autocast
+    created = world > 1 and not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return _Dist(rank, world, device), created
+
+
+def _use_bf16(dtype: str, device: torch.device) -> bool:
+    ok = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if dtype == "bf16" and not ok:
+        raise ValueError(f"bf16 autocast is not supported on {device}: use --dtype=fp32")
+    return dtype != "fp32" and ok
+
+
+def _resolve_data(cfg: TrainConfig, master: bool, progress: bool) -> tuple[Path, dict]:
+    """The dataset dir (prepared by rank 0 if ``data_dir`` is None) and its checked manifest."""
+    if cfg.data_dir is not None:
+        path = Path(cfg.data_dir)
+    else:  # rank 0 prepares; the others then find the complete dataset and reuse it
+        if master:
+            path = data.prepare(cfg.corpus, cfg.tokenizer, progress=progress)
+        _barrier()
+        if not master:
+            path = data.prepare(cfg.corpus, cfg.tokenizer, progress=False)
+    m = data.read_manifest(path)
+    if m["tokenizer"] != cfg.tokenizer:
+        raise ValueError(
+            f"dataset {path} is tokenized with {m['tokenizer']!r}, the config asks for "
+            f"{cfg.tokenizer!r}: set --tokenizer={m['tokenizer']} or another --data_dir"
+        )
+    for split in ("val", "train"):
+        if (n := m["splits"][split]["tokens"]) < cfg.seq_len + 1:
+            raise ValueError(
+                f"the {split} split of {path} has {n} tokens, seq_len={cfg.seq_len} needs "
+                f"{cfg.seq_len + 1}: use a shorter --seq_len or a larger corpus"
+            )
+    return path.resolve(), m
+
+
+def _check_same_config(stored: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> None:
+    now = asdict(cfg)
+    diff = [
+        f"{k}: {stored.get(k)!r} (run) != {v!r} (now)"
+        for k, v in now.items()
+        if k not in BOOKKEEPING and stored.get(k) != v
+    ]
+    if diff:
+        raise ValueError(
+            f"{run_dir} was started with a different config ({'; '.join(diff)}): use a new "
+            "--run_name, or --no-resume to start it over"
+        )
+
+
+def _init_run_dir(run_dir: Path, step: int, config: dict[str, Any], env: dict[str, Any]) -> None:
+    """Write config/env; keep the log up to ``step`` (the curve continues, no duplicates)."""
+    (run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
+    if step == 0:  # a fresh start: nothing of an earlier attempt may be resumed later
+        for stale in ("ckpt/latest.pt", "ckpt/final.pt", "DONE"):
+            (run_dir / stale).unlink(missing_ok=True)
+    log = run_dir / "log.jsonl"
+    lines = log.read_text().splitlines() if log.is_file() and step > 0 else []
+    kept = "".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step)
+    _atomic_write(log, lambda f: f.write(kept.encode()))
+    _write_json(run_dir / "config.json", config)
+    _write_json(run_dir / "env.json", env | {"start_step": step})
+
+
+@torch.no_grad()
+def _evaluate(model: GPT, tokens: np.ndarray, cfg: TrainConfig, bf16: bool, d: _Dist) -> float:
+    """Mean loss over the first ``eval_tokens`` of the val split; ranks share the windows."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=d.device)  # (loss sum, tokens)
+    windows = data.iter_eval_windows(tokens, cfg.seq_len, cfg.eval_tokens, cfg.batch_size)
+    for i, (x, y) in enumerate(windows):
+        if i % d.world == d.rank:
+            with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(x.to(d.device), y.to(d.device))
+            total += torch.stack([loss.double() * y.numel(), total.new_tensor(y.numel())])
+    if d.world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def _train_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    tokens: np.ndarray,
+    step: int,
+    bf16: bool,
+    d: _Dist,
+) -> torch.Tensor:
+    """One optimizer step (all micro-steps); returns this rank's mean loss, on the device."""
+    if cfg.dropout > 0:  # dropout masks become a function of the step too: exact resume
+        torch.manual_seed(
+            int(np.random.SeedSequence([cfg.seed, step, d.rank]).generate_state(1)[0])
+        )
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    loss_sum = torch.zeros((), device=d.device)
+    for micro in range(cfg.grad_accum):
+        x, y = data.get_batch(
+            tokens, step, micro, cfg.batch_size, cfg.seq_len, cfg.seed, d.rank, d.world
+        )
+        last = micro == cfg.grad_accum - 1
+        with model.no_sync() if d.world > 1 and not last else nullcontext():  # 1 all-reduce
+            with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(
+                    x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+                )
+            (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum / cfg.grad_accum
+
+
+def train(
+    cfg: TrainConfig, resume: bool = True, progress: bool = True, *, _stop_after: int | None = None
+) -> Path:
+    """Train ``cfg`` in ``out_dir/run_name`` (resuming it if ``resume``); return the run dir.
+
+    A finished run (``DONE``) is left as is. ``resume=False`` starts the run over, replacing its
+    log and checkpoints. Under ``torchrun`` every rank calls this; only rank 0 writes.
+    ``_stop_after`` (tests) checkpoints and stops after that many steps, as ``max_time_s`` does.
+    """
+    validate(cfg)
+    cfg = dataclasses.replace(cfg, run_name=cfg.run_name or default_run_name(cfg))
+    d, created = _setup_distributed(cfg.device)
+    try:
+        return _train(cfg, resume, progress and d.rank == 0, d, _stop_after)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: TrainConfig, resume: bool, progress: bool, d: _Dist, stop_after: int | None
+) -> Path:
+    run_dir, master = Path(cfg.out_dir) / cfg.run_name, d.rank == 0
+    latest, log_path = run_dir / "ckpt" / "latest.pt", run_dir / "log.jsonl"
+    if resume and (run_dir / "config.json").is_file():
+        _check_same_config(json.loads((run_dir / "config.json").read_text())["train"], cfg, run_dir)
+        if (run_dir / "DONE").is_file():
+            if master:
+                print(f"{run_dir} is complete: nothing to do")
+            return run_dir
+    data_dir, manifest = _resolve_data(cfg, master, progress)
+    train_tokens, val_tokens = data.load_split(data_dir, "train"), data.load_split(data_dir, "val")
+    mcfg = model_config(cfg, manifest["vocab_size"])
+    torch.manual_seed(cfg.seed)  # every attention arm with the same seed starts from one init
+    raw = GPT(mcfg).to(d.device)
+    params = list(raw.parameters())  # weight decay on matrices only (not norms)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = d.device.type == "cuda"
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    step, tokens, history = 0, 0, []
+    if resume and latest.is_file():
+        ckpt = _load_checkpoint(latest, d.device)
+        _load_model_state(raw, ckpt, latest)
+        opt.load_state_dict(ckpt["optimizer"])
+        step, tokens, history = ckpt["step"], ckpt["tokens"], ckpt["val_history"]
+    _barrier()  # every rank has read the run dir before rank 0 rewrites it
+    if master:
+        dataset = {k: manifest[k] for k in ("corpus", "tokenizer", "total_tokens")}
+        config = {
+            "train": asdict(cfg),
+            "model": asdict(mcfg),
+            "params": raw.num_params(),
+            "data_dir": str(data_dir),
+            "dataset": dataset,
+        }
+        _init_run_dir(run_dir, step, config, _environment(d.device, d.world))
+        print(
+            f"{cfg.run_name}: {raw.num_params() / 1e6:.2f}M params, {cfg.attn} attention, "
+            f"{d.device} x{d.world}, data {data_dir}, step {step}/{cfg.max_steps}"
+        )
+
+    def log(**record: Any) -> None:
+        if master:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def evaluate() -> None:
+        history.append([step, _evaluate(raw, val_tokens, cfg, bf16, d)])
+        log(event="eval", step=step, tokens=tokens, val_loss=history[-1][1])
+
+    def save() -> None:  # rank 0 writes, the others wait
+        if master:
+            state = dict(
+                format=CKPT_FORMAT,
+                model=raw.state_dict(),
+                optimizer=opt.state_dict(),
+                step=step,
+                tokens=tokens,
+                val_history=history,
+                config=asdict(cfg),
+                gpt_config=asdict(mcfg),
+                data_dir=str(data_dir),
+                tokenizer=cfg.tokenizer,
+                corpus=manifest["corpus"],
+            )
+            _atomic_write(latest, lambda f: torch.save(state, f))
+        _barrier()
+
+    bf16 = _use_bf16(cfg.dtype, d.device)
+    model: torch.nn.Module = torch.compile(raw) if cfg.compile else raw
+    if d.world > 1:
+        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    per_step = d.world * cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    bar = tqdm(
+        total=cfg.max_steps,
+        initial=step,
+        disable=not progress,
+        unit="step",
+        desc=cfg.run_name,
+        dynamic_ncols=True,
+    )
+    if step == 0:
+        evaluate()
+    start = t0 = time.perf_counter()
+    window = 0  # tokens trained since t0: tokens/s counts training only, not eval or saving
+    while step < cfg.max_steps:
+        loss = _train_step(model, opt, cfg, train_tokens, step, bf16, d)
+        lr = lr_at(step, cfg)
+        step, tokens, window = step + 1, tokens + per_step, window + per_step
+        bar.update()
+        end = step == cfg.max_steps
+        if step % cfg.log_every == 0 or end:
+            if d.world > 1:
+                dist.all_reduce(loss)
+            loss_val, rate = loss.item() / d.world, window / (time.perf_counter() - t0)
+            log(event="train", step=step, loss=loss_val, lr=lr, tokens=tokens, tokens_per_s=rate)
+            bar.set_postfix_str(f"loss {loss_val:.4f}, val {history[-1][1]:.4f}, {rate:,.0f} tok/s")
+            t0, window = time.perf_counter(), 0
+        stop = not end and (
+            step == stop_after
+            or (cfg.max_time_s is not None and time.perf_counter() - start > cfg.max_time_s)
+        )
+        if d.world > 1 and cfg.max_time_s is not None:  # every rank stops when rank 0 does
+            flag = torch.tensor(float(stop), device=d.device)
+            dist.broadcast(flag, 0)
+            stop = bool(flag.item())
+        if step % cfg.eval_every == 0 or end:
+            evaluate()
+        if step % cfg.ckpt_every == 0 or end or stop:
+            save()
+        if step % cfg.eval_every == 0 or step % cfg.ckpt_every == 0:
+            t0, window = time.perf_counter(), 0
+        if stop:
+            break
+    bar.close()
+    if step < cfg.max_steps:
+        if master:
+            print(f"{run_dir}: stopped at step {step}/{cfg.max_steps}; run again to resume")
+    elif master:
+        final = latest.with_name("final.pt")
+        final.unlink(missing_ok=True)
+        try:  # final.pt is the last latest.pt: a hard link saves writing it twice
+            os.link(latest, final)
+        except OSError:
+            with open(latest, "rb") as src:
+                _atomic_write(final, lambda f: shutil.copyfileobj(src, f))
+        _write_json(run_dir / "DONE", {"step": step, "tokens": tokens, "val_loss": history[-1][1]})
+        print(f"{run_dir}: done, {step} steps, val loss {history[-1][1]:.4f}")
+    _barrier()
+    return run_dir
+
+
+def load_run(
+    run_dir: str | Path, map_location: Any = "cpu", which: str = "final"
+) -> tuple[GPT, TrainConfig, dict[str, Any]]:
+    """The model of a run (weights loaded, eval mode), its :class:`TrainConfig`, and metadata.
+
+    ``which`` is ``"final"`` (finished runs) or ``"latest"``. Metadata: ``step``, ``tokens``,
+    ``val_history`` (``[step, val_loss]`` pairs), ``data_dir``, ``tokenizer``, ``corpus``,
+    ``run_dir``, ``checkpoint``.
+    """
+    if which not in ("final", "latest"):
+        raise ValueError(f"which={which!r}: use 'final' or 'latest'")
+    path = Path(run_dir) / "ckpt" / f"{which}.pt"
+    if not path.is_file():
+        hint = (
+            ""
+            if which == "latest" or not (path.parent / "latest.pt").is_file()
+            else (": the run is not finished (resume it, or load which='latest')")
+        )
+        raise FileNotFoundError(f"{path} not found{hint}")
+    ckpt = _load_checkpoint(path, map_location)
+    model = GPT(GPTConfig(**ckpt["gpt_config"]))
+    _load_model_state(model, ckpt, path)
+    if isinstance(map_location, (str, torch.device)):
+        model.to(map_location)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known})
+    meta = {
+        k: ckpt[k] for k in ("step", "tokens", "val_history", "data_dir", "tokenizer", "corpus")
+    }
+    return model.eval(), cfg, meta | {"run_dir": str(run_dir), "checkpoint": str(path)}
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def train_cli(argv: list[str]) -> int:
+    """``lssar train [--preset NAME] [--resume/--no-resume] [--key=value ...]``."""
+    defaults = asdict(TrainConfig())
+    keys = "\n".join(
+        f"  --{k}={defaults[k]!r}  ({t})"
+        for k, t in TrainConfig.__annotations__.items()
+        if k != "preset"
+    )
+    ap = argparse.ArgumentParser(
+        prog="lssar train",
+        allow_abbrev=False,
+        formatter_class=argparse.RawTextHelpFormatter,
+        description="Train a GPT (under torchrun: DDP). Config: defaults < preset < --key=value\n"
+        "(also --key value; a bare --flag sets a boolean; --max-steps = --max_steps).",
+        epilog=f"presets: {', '.join(list_presets())}\nconfig keys (defaults):\n{keys}",
+    )
+    ap.add_argument("--preset", help="a name from configs/ or a path to a .toml file")
+    ap.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="continue an unfinished run (--no-resume: start it over)",
+    )
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    args, rest = ap.parse_known_args(argv)
+    overrides, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--"):
+            raise ValueError(f"unexpected argument {item!r}: settings are --key=value")
+        if "=" not in item and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            item, i = f"{item}={rest[i + 1]}", i + 1  # "--key value"
+        elif "=" not in item:
+            item = f"{item}=true"  # a bare flag switches a boolean on
+        overrides.append(item)
+        i += 1
+    cfg = load_config(args.preset, overrides)
+    train(cfg, resume=args.resume, progress=args.progress)
+    return 0
+
+
+def sample(
+    model: GPT,
+    tokenizer: data.Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> list[int]:
+    """``max_new_tokens`` ids sampled after ``prompt`` (an empty prompt starts a document)."""
+    ids = tokenizer.encode(prompt) or tokenizer.doc_separator
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(
+        torch.tensor([ids], device=device),
+        max_new_tokens,
+        temperature,
+        top_k or None,
+        generator=gen,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def sample_cli(argv: list[str]) -> int:
+    """``lssar sample RUN --prompt "..." [--max-new-tokens N ...]``: print prompt + sample."""
+    ap = argparse.ArgumentParser(prog="lssar sample", description="Generate text from a run.")
+    ap.add_argument("run", help="run directory")
+    ap.add_argument("--prompt", default="")
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=50, help="0 = no top-k")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attn", help="evaluate with another attention variant")
+    ap.add_argument("--attn-p", type=float, help="re-weighting power p (e.g. 15)")
+    ap.add_argument("--which", default="final", choices=("final", "latest"))
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args(argv)
+    if a.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={a.max_new_tokens} must be >= 0")
+    model, _, meta = load_run(a.run, map_location=a.device, which=a.which)
+    if a.attn is not None or a.attn_p is not None:
+        name, options, impl = model.attn_spec
+        options = {} if a.attn is not None else dict(options)
+        if a.attn_p is not None:
+            options["p"] = a.attn_p
+        model.set_attention(a.attn or name, options, impl)
+    tok = data.get_tokenizer(meta["tokenizer"], corpus_dir=meta["data_dir"])
+    ids = sample(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed)
+    print(a.prompt + tok.decode(ids))
+    return 0

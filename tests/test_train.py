@@ -1,0 +1,349 @@
+"""Tests for lssar.train: config precedence, runs, exact resume, DDP equivalence, CLIs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lssar import data
+from lssar.cli import main
+from lssar.train import (
+    TrainConfig,
+    default_run_name,
+    load_config,
+    load_run,
+    lr_at,
+    sample,
+    sample_cli,
+    train,
+)
+
+TINY = dict(
+    n_layer=2,
+    n_head=2,
+    n_embd=32,
+    seq_len=32,
+    batch_size=4,
+    eval_tokens=256,
+    warmup_steps=2,
+    lr=1e-2,
+    min_lr=1e-3,
+    dtype="fp32",
+    log_every=1,
+    eval_every=4,
+    ckpt_every=100,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # These models are tiny: threads buy nothing, and on a busy machine OpenMP's barriers make
+    # two threads many times slower than one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "shakespeare-byte"
+    return data.prepare("shakespeare", "byte", out, max_tokens=40_000, progress=False)
+
+
+def tiny(data_dir: Path, out_dir: Path, **kw) -> TrainConfig:
+    over = TINY | {"data_dir": str(data_dir), "out_dir": str(out_dir), "max_steps": 8} | kw
+    return load_config(None, over)
+
+
+def log_of(run: Path, event: str = "train") -> list[dict]:
+    lines = (run / "log.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+@pytest.fixture(scope="module")
+def finished_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runs")
+    return train(tiny(data_dir, out, max_steps=40, eval_every=20), progress=False)
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+def test_config_precedence_and_types(tmp_path: Path) -> None:
+    toml = tmp_path / "mine.toml"
+    toml.write_text('n_layer = 3\nlr = 1\nattn = "lssa"\n')
+    cfg = load_config(
+        str(toml),
+        [
+            "--n_layer=5",
+            "max-steps=7",
+            "--attn_p=15",
+            "--compile=true",
+            "--data_dir=none",
+            "--run_name=x",
+        ],
+    )
+    assert (cfg.n_layer, cfg.max_steps, cfg.attn, cfg.attn_p) == (5, 7, "lssa", 15.0)
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # TOML int -> float field
+    assert cfg.compile is True and cfg.data_dir is None and cfg.run_name == "x"
+    assert cfg.n_embd == TrainConfig.n_embd  # untouched default
+    preset = load_config("tiny-cpu")
+    assert preset.preset == "tiny-cpu" and preset.n_embd == 128 and preset.tokenizer == "byte"
+    assert load_config("tiny-cpu", {"n_embd": 64}).n_embd == 64
+    assert default_run_name(load_config("tiny-cpu", {"attn": "lssar", "attn_p": 3})) == (
+        "tiny-cpu-lssar-p3-s0"
+    )
+    assert default_run_name(TrainConfig(attn="lssa", seed=2)) == "custom-lssa-s2"
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "match"),
+    [
+        (None, ["--lrr=1"], r"unknown config key 'lrr'.*did you mean lr"),
+        (None, ["--max_steps=ten"], r"max_steps: expected int"),
+        (None, ["--compile=maybe"], r"compile: expected bool"),
+        (None, {"n_layer": 2.5}, r"n_layer: expected int"),
+        (None, ["max_steps"], r"expected --key=value"),
+        ("nope", None, r"unknown preset 'nope'.*tiny-cpu"),
+        (None, ["--attn=nope"], r"unknown attention variant 'nope'"),
+        (None, ["--attn=relu", "--attn_p=2"], r"takes no option 'p'"),
+        (None, ["--attn=lssar", "--attn_p=-1"], r"p must be a finite float > 0"),
+        (None, ["--n_embd=100", "--n_head=3"], r"divisible by n_head"),
+        (None, ["--dtype=fp16"], r"dtype='fp16'"),
+    ],
+)
+def test_config_errors(preset: str | None, overrides, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_config(preset, overrides)
+
+
+def test_lr_schedule() -> None:
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55) and lr_at(110, cfg) == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------- runs
+
+
+def test_run_dir_and_loss_decreases(finished_run: Path) -> None:
+    run = finished_run
+    for name in ("config.json", "env.json", "log.jsonl", "ckpt/latest.pt", "ckpt/final.pt", "DONE"):
+        assert (run / name).is_file(), name
+    losses = [r["loss"] for r in log_of(run)]
+    assert len(losses) == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    vals = [r["val_loss"] for r in log_of(run, "eval")]
+    assert [r["step"] for r in log_of(run, "eval")] == [0, 20, 40] and vals[-1] < vals[0]
+    env = json.loads((run / "env.json").read_text())
+    assert env["world_size"] == 1 and env["torch"] == torch.__version__
+    model, cfg, meta = load_run(run)
+    assert not model.training and cfg.max_steps == 40 and meta["step"] == 40
+    assert meta["tokenizer"] == "byte" and meta["val_history"][-1][1] == vals[-1]
+    # a finished run is left alone
+    before = (run / "log.jsonl").read_text()
+    assert train(cfg, progress=False) == run and (run / "log.jsonl").read_text() == before
+
+
+def test_resume_is_exact(data_dir: Path, tmp_path: Path) -> None:
+    # dropout and gradient accumulation: their randomness and data must replay exactly too
+    kw = dict(max_steps=8, dropout=0.1, grad_accum=2, dtype="auto")
+    a = train(tiny(data_dir, tmp_path, run_name="a", **kw), progress=False)
+    cfg_b = tiny(data_dir, tmp_path, run_name="b", **kw)
+    b = train(dataclasses.replace(cfg_b, max_time_s=0.0), progress=False)  # stops after 1 step
+    assert not (b / "DONE").exists() and [r["step"] for r in log_of(b)] == [1]
+    train(cfg_b, progress=False, _stop_after=4)
+    assert torch.load(b / "ckpt/latest.pt", weights_only=True)["step"] == 4
+    train(cfg_b, progress=False)
+    assert (b / "DONE").is_file()
+    wa, wb = load_run(a)[0].state_dict(), load_run(b)[0].state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    la, lb = log_of(a), log_of(b)
+    assert [r["step"] for r in lb] == list(range(1, 9))
+    assert [(r["loss"], r["lr"], r["tokens"]) for r in la] == [
+        (r["loss"], r["lr"], r["tokens"]) for r in lb
+    ]
+    assert log_of(a, "eval") == log_of(b, "eval")
+
+
+def test_corrupt_checkpoint_and_config_mismatch(data_dir: Path, tmp_path: Path) -> None:
+    cfg = tiny(data_dir, tmp_path, run_name="r")
+    run = train(cfg, progress=False, _stop_after=2)
+    with pytest.raises(ValueError, match=r"differ.*lr: 0\.01 \(run\) != 0\.02.*--run_name"):
+        train(dataclasses.replace(cfg, lr=0.02), progress=False)
+    train(dataclasses.replace(cfg, log_every=3, max_time_s=1e9), progress=False, _stop_after=3)
+    (run / "config.json").unlink()  # without it only the checkpoint can tell the shapes differ
+    with pytest.raises(ValueError, match=r"latest\.pt does not fit this model .*size mismatch"):
+        train(dataclasses.replace(cfg, n_embd=64), progress=False)
+    ckpt = run / "ckpt/latest.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"checkpoint .*latest\.pt is corrupt .*delete it"):
+        train(cfg, progress=False)
+    with pytest.raises(ValueError, match="corrupt"):
+        load_run(run, which="latest")
+    with pytest.raises(FileNotFoundError, match="not finished"):
+        load_run(run)
+    train(cfg, resume=False, progress=False)  # starts over instead
+    assert load_run(run)[2]["step"] == 8 and [r["step"] for r in log_of(run)] == list(range(1, 9))
+
+
+def test_bad_data_errors(data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenized with 'byte'.*asks for 'gpt2'"):
+        train(tiny(data_dir, tmp_path, tokenizer="gpt2"), progress=False)
+    with pytest.raises(ValueError, match=r"val split .* has \d+ tokens, seq_len=3000 needs 3001"):
+        train(tiny(data_dir, tmp_path, seq_len=3000, eval_tokens=3000), progress=False)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+def test_ddp_matches_single_process(data_dir: Path, tmp_path: Path) -> None:
+    over = TINY | {
+        "data_dir": str(data_dir),
+        "out_dir": str(tmp_path),
+        "max_steps": 4,
+        "grad_accum": 2,
+        "eval_every": 2,
+        "max_time_s": 1e9,  # exercises rank 0's stop broadcast
+    }
+    args = [f"--{k}={v}" for k, v in over.items()]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "lssar",
+        "train",
+        "--no-progress",
+        "--run_name=ddp",
+        *args,
+        "--batch_size=2",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # batch_size is per rank: 2 ranks x 2 rows = the single process's 4 rows, the same windows
+    single = train(load_config(None, over | {"run_name": "single"}), progress=False)
+    ddp, one = load_run(tmp_path / "ddp"), load_run(single)
+    assert ddp[2]["step"] == one[2]["step"] == 4 and ddp[2]["tokens"] == one[2]["tokens"]
+    assert json.loads((tmp_path / "ddp/env.json").read_text())["world_size"] == 2
+    wd, ws = ddp[0].state_dict(), one[0].state_dict()
+    for k in ws:
+        torch.testing.assert_close(wd[k], ws[k], atol=1e-5, rtol=1e-4, msg=k)
+    for event, key in (("train", "loss"), ("eval", "val_loss")):
+        for rd, rs in zip(log_of(tmp_path / "ddp", event), log_of(single, event), strict=True):
+            assert rd["step"] == rs["step"] and rd[key] == pytest.approx(rs[key], abs=1e-5)
+
+
+# -------------------------------------------------------------------------------------- CLI
+
+
+def test_train_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--nonsense=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: unknown config key 'nonsense'")
+    assert main(["train", "--preset", "nope"]) == 2
+    assert "tiny-cpu" in capsys.readouterr().err
+
+
+def test_train_cli_runs(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = [f"--{k}={v}" for k, v in TINY.items() if k != "log_every"]
+    code = main(
+        [
+            "train",
+            "--no-progress",
+            "--max_steps",
+            "2",
+            "--log-every=1",
+            "--run_name=c",
+            f"--data_dir={data_dir}",
+            f"--out_dir={tmp_path}",
+            *args,
+        ]
+    )
+    assert code == 0 and (tmp_path / "c/DONE").is_file()
+    assert (
+        main(
+            [
+                "train",
+                "--no-progress",
+                "--max_steps",
+                "2",
+                "--log-every=1",
+                "--run_name=c",
+                f"--data_dir={data_dir}",
+                f"--out_dir={tmp_path}",
+                *args,
+            ]
+        )
+        == 0
+    )
+    assert "complete" in capsys.readouterr().out
+
+
+def test_sample(finished_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, _, meta = load_run(finished_run)
+    tok = data.get_tokenizer(meta["tokenizer"])
+    ids = sample(model, tok, "ROMEO:", 37, seed=1)
+    assert len(ids) == 37 and all(0 <= i < 256 for i in ids)
+    assert sample(model, tok, "ROMEO:", 37, seed=1) == ids  # seeded
+    assert (
+        sample_cli(
+            [
+                str(finished_run),
+                "--prompt",
+                "ROMEO:",
+                "--max-new-tokens",
+                "25",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    greedy = sample(model, tok, "ROMEO:", 25, temperature=0)
+    assert out == "ROMEO:" + tok.decode(greedy) + "\n"
+    assert (
+        sample_cli([str(finished_run), "--max-new-tokens", "5", "--attn", "lssa", "--attn-p", "15"])
+        == 0
+    )
+    assert main(["sample", str(finished_run), "--attn", "relu", "--attn-p", "2"]) == 2
+
+
+def test_data_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"document {i}\n" * 200)
+    out = tmp_path / "out"
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--corpus",
+                str(corpus),
+                "--tokenizer",
+                "byte",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--val-fraction",
+                "0.25",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    m = data.read_manifest(out)
+    assert text.splitlines()[0] == str(out) and f"{m['total_tokens']:,} tokens" in text
+    assert m["splits"]["val"]["tokens"] > 0
