@@ -103,7 +103,7 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
     """The torchrun and eval commands of the paper preset (one line each)."""
     cmds = []
     for attn, p in preset.arms:
-        name = _run_name("paper", attn, p, 0)
+        name = _run_name(preset.train_preset, attn, p, 0)
         flags = f"--attn={attn}" + ("" if p is None else f" --attn_p={p:g}")
         cmds.append(
             f"torchrun --standalone --nproc_per_node=8 -m lssar train --preset "
@@ -126,7 +126,8 @@ def reproduce(
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     preset = PRESETS[preset_name]
-    runs_dir = Path(runs_dir or f"runs/reproduce-{preset_name}")
+    # Runs are named by the training preset, so presets that share it (quick, cpu) share runs.
+    runs_dir = Path(runs_dir or f"runs/reproduce-{preset.train_preset}")
     started = time.time()
     results: list[dict[str, Any]] = []
     for seed in preset.seeds:
@@ -138,7 +139,7 @@ def reproduce(
                     "attn_p": p,
                     "seed": seed,
                     "out_dir": str(runs_dir),
-                    "run_name": _run_name(preset_name, attn, p, seed),
+                    "run_name": _run_name(preset.train_preset, attn, p, seed),
                     **_kv(overrides),
                 },
             )
@@ -413,7 +414,7 @@ def cli(argv: list[str]) -> int:
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
     if args.preset == "paper" and not args.execute:
-        runs = Path(args.runs_dir or "runs/reproduce-paper")
+        runs = Path(args.runs_dir or f"runs/reproduce-{PRESETS['paper'].train_preset}")
         print(
             f"# {PRESETS['paper'].description}\n# expected time: {PRESETS['paper'].budget}\n"
             "# run these on a GPU node, or there: torchrun --standalone --nproc_per_node=8 "

@@ -234,7 +234,7 @@ def test_half_precision_long_rows_stay_finite(dtype):
 def test_auto_picks_memory_efficient_paths():
     from lssar.ops.registry import resolve
 
-    small, big = torch.empty(1, 1, 64, 8), torch.empty(1, 1, 4096, 8)
+    small, big = torch.empty(1, 1, 64, 8), torch.empty(1, 1, 256, 8)
     assert resolve("lssar", "auto", big, big, 0.0, {})[1] == "chunked"
     assert resolve("lssar", "auto", small, small, 0.0, {})[1] == "reference"
     assert resolve("lssar", "auto", big, big, 0.1, {})[1] == "reference"
