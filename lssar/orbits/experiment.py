@@ -1,0 +1,695 @@
+"""``lssar orbits``: does a trajectory GPT's force probe recover Newton's law? (paper v5)
+
+Setup after Vafa et al. (2025): a GPT is pretrained to predict the next position on two-body
+trajectories; a force head is then fine-tuned (whole model) on other systems to predict
+``log |F|`` at every step; its predictions on held-out systems go to symbolic regression, which
+should return ``F = G m1 m2 / r**2``. The paper reports that LSSAR does and softmax does not.
+
+Every arm of a preset sees identical data, seed, model size and step budget; only the
+attention differs (``torch.manual_seed(seed)`` before each model is built, and the batch order
+is a function of the seed). Arms: :data:`ARMS` -- the attention variants, a softmax with a
+sliding window (locality control: does sharper attention alone explain a win?), a model
+fine-tuned without pretraining, and the oracle (symbolic regression on the true forces).
+
+Every stage (pretraining, force probe, symbolic regression) of every arm and seed is cached in
+``runs/orbits-<preset>/<arm>-s<seed>/`` under a hash of everything it depends on, written
+atomically, so re-running reuses finished work, resumes after a kill at the last finished stage
+and recomputes only what a change of settings invalidates. The report
+(``reports/orbits-<preset>-<date>/``) is generated from those files (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime as dt
+import hashlib
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lssar.orbits import kepler, symreg
+from lssar.orbits.models import (
+    FORMATS,
+    Data,
+    OrbitGPT,
+    OrbitModelConfig,
+    encode_splits,
+    extrapolation_baselines,
+    force_probes,
+    next_token_eval,
+    pretrain,
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    summary: str
+    attn: str | None = None  # None: the oracle (no model)
+    attn_options: dict[str, Any] = field(default_factory=dict)
+    windowed: bool = False
+    pretrained: bool = True
+
+
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        Arm("softmax", "softmax attention (baseline)", "softmax"),
+        Arm("lssa", "LSSA (softplus, length scale, l1; no re-weighting)", "lssa"),
+        Arm("lssar-p3", "LSSAR with re-weighting p = 3", "lssar", {"p": 3.0}),
+        Arm("lssar", "LSSAR with re-weighting p = 15 (the paper's arm)", "lssar", {"p": 15.0}),
+        Arm(
+            "softmax-local",
+            "softmax restricted to a causal sliding window (locality control)",
+            "softmax",
+            windowed=True,
+        ),
+        Arm(
+            "scratch",
+            "LSSAR p = 15, no pretraining: force head fine-tuned from random init",
+            "lssar",
+            {"p": 15.0},
+            pretrained=False,
+        ),
+        Arm("oracle", "symbolic regression on the true forces (no model)"),
+    )
+}
+
+
+@dataclass
+class Preset:
+    """Everything a run of the experiment depends on (``--set key=value`` overrides a field;
+    ``--set data.key=value`` a field of the :class:`kepler.OrbitConfig`)."""
+
+    description: str
+    budget: str
+    data_preset: str
+    data: dict[str, Any]
+    arms: list[str]
+    seeds: list[int]
+    fmt: str = "continuous"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    window: int = 8  # tokens (4 time steps) for softmax-local
+    n_bins: int = 256  # discrete format
+    pretrain_steps: int = 500
+    pretrain_batch: int = 32
+    pretrain_lr: float = 1e-3
+    finetune_steps: int = 800
+    finetune_batch: int = 32
+    finetune_lr: float = 1e-3
+    first_step: int = 8  # force targets from this step on (earlier: too little history)
+    ridge_alpha: float = 1.0
+    sr_points: int = 400
+    sr_budget_s: float = 20.0
+    n_boot: int = 200
+    tol: float = 0.1  # exponent tolerance of the criteria
+    r2_min: float = 0.95
+    device: str = "auto"
+    jobs: int = 1  # arm/seed runs in parallel processes (one torch thread each on CPU)
+
+
+PRESETS: dict[str, Preset] = {
+    "quick": Preset(
+        description="Smoke-scale check on 2 CPU cores: softmax vs LSSAR + oracle, one seed",
+        budget="~5-6 min on 2 shared CPU cores",
+        data_preset="quick",
+        data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
+        arms=["softmax", "lssar", "oracle"],
+        seeds=[0],
+    ),
+    "cpu": Preset(
+        description="All arms and controls, three seeds, CPU-sized",
+        budget="~45 min of single-core compute; ~25 min with --jobs 2 (default) on 2 free cores",
+        data_preset="cpu",
+        data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
+        arms=list(ARMS),
+        seeds=[0, 1, 2],
+        sr_budget_s=10.0,
+        jobs=2,
+    ),
+    "vafa": Preset(
+        description="Vafa et al.-like distributions (kepler preset 'vafa': solar-mass star, "
+        "exoplanet masses, a up to 32 AU, dt = 1 week or 6 months), discretised tokens; "
+        "for a GPU",
+        budget="not measured here (CPU smoke test only): expect hours on one GPU",
+        data_preset="vafa",
+        data={},
+        arms=list(ARMS),
+        seeds=[0, 1, 2],
+        fmt="discrete",
+        n_layer=8,
+        n_head=8,
+        n_embd=256,
+        n_bins=1024,
+        pretrain_steps=20000,
+        pretrain_batch=64,
+        pretrain_lr=6e-4,
+        finetune_steps=3000,
+        finetune_batch=64,
+        finetune_lr=3e-4,
+        first_step=16,
+        sr_points=1000,
+        sr_budget_s=120.0,
+    ),
+}
+
+
+# ------------------------------------------------------------------------------- helpers
+def _key(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_torch(path: Path, obj: Any) -> None:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    _atomic_bytes(path, buf.getvalue())
+
+
+def _save_npz(path: Path, **arrays: Any) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    _atomic_bytes(path, buf.getvalue())
+
+
+def _save_json(path: Path, obj: Any) -> None:
+    _atomic_bytes(path, (json.dumps(obj, indent=1, default=_jsonable) + "\n").encode())
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, (np.floating, np.integer, np.bool_)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def _load_if(path: Path, key: str) -> Any:
+    """The cached object at ``path`` if it was made with ``key``, else None (stale/damaged)."""
+    if not path.exists():
+        return None
+    try:
+        if path.suffix == ".json":
+            obj = json.loads(path.read_text())
+        elif path.suffix == ".npz":
+            with np.load(path) as z:
+                obj = {k: z[k] for k in z.files}
+            obj["key"] = str(obj["key"])
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a damaged cache file is recomputed, never trusted
+        return None
+    return obj if isinstance(obj, dict) and obj.get("key") == key else None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Code version, library versions and hardware of this invocation."""
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(
+                ["git", *args],
+                cwd=Path(__file__).resolve().parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    return {
+        "git_sha": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "sr_backends": symreg.installed_backends(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "argv": sys.argv,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# ------------------------------------------------------------------------------- data
+def prepare_data(p: Preset, name: str, root: Path, device: torch.device) -> Data:
+    """Generate (or reuse) ``root/data/orbits-<name>/`` and encode it in ``p.fmt``."""
+    cfg = kepler.preset(p.data_preset, **p.data)  # kepler validates the orbital parameters
+    ddir = root / "data" / f"orbits-{name}"
+    manifest = kepler.make_splits(cfg, ddir)
+    raw = {s: kepler.load_split(ddir, s) for s in kepler.SPLITS}
+    data = encode_splits(raw, p.fmt, p.n_bins, cfg.extra.get("coord_range"), device)
+    data.key = _key({"sha256": manifest["sha256"], "fmt": p.fmt, "n_bins": p.n_bins})
+    data.info.update(config=cfg.to_json(), counts=manifest["counts"])
+    return data
+
+
+# ------------------------------------------------------------------------------- one run
+def model_config(p: Preset, arm: Arm, data: Data) -> OrbitModelConfig:
+    return OrbitModelConfig(
+        n_layer=p.n_layer,
+        n_head=p.n_head,
+        n_embd=p.n_embd,
+        attn=arm.attn or "softmax",
+        attn_options=dict(arm.attn_options),
+        window=p.window if arm.windowed else None,
+        fmt=p.fmt,
+        n_bins=p.n_bins,
+        n_special=data.n_special,
+        accel_scale=data.accel_scale,
+    )
+
+
+def sr_points(data: Data, p: Preset, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (system, step) test points handed to symbolic regression: the same for every arm
+    of a seed. Steps count from 0 (``>= p.first_step``)."""
+    S, T = data.log_f["test"].shape
+    K = T - p.first_step
+    flat = np.random.default_rng([seed, 2025]).choice(S * K, min(p.sr_points, S * K), replace=False)
+    return flat // K, flat % K + p.first_step
+
+
+def symbolic_regression(
+    m1: np.ndarray, m2: np.ndarray, r: np.ndarray, F: np.ndarray, p: Preset, seed: int, backend: str
+) -> dict[str, Any]:
+    """Power law (+ bootstrap), sparse law search and GP symbolic regression of ``F``."""
+    t0 = time.perf_counter()
+    pl = symreg.power_law_fit(m1, m2, r, F, n_boot=p.n_boot, seed=seed)
+    sparse = symreg.sparse_law_search(m1, m2, r, F, seed=seed, tol=p.tol)
+    try:
+        gp = symreg.gp_symbolic_regression(
+            m1, m2, r, F, backend=backend, seed=seed, time_budget_s=p.sr_budget_s, tol=p.tol
+        )
+        gp.pop("sympy")
+    except RuntimeError as e:  # every GP candidate degenerate: a failed recovery, not a crash
+        nan = float("nan")
+        gp = {
+            "backend": backend,
+            "expression": f"(none: {e})",
+            "is_newton": False,
+            "r2": nan,
+            "newton_G": None,
+            "alpha": nan,
+            "beta": nan,
+            "gamma": nan,
+        }
+    return {
+        "n_points": len(F),
+        "power_law": pl,
+        "criteria": symreg.criteria(pl, p.tol, p.r2_min),
+        "sparse": {k: sparse[k] for k in ("law", "agree", "is_newton")}
+        | {"exponents": sparse["full"]["exponents"] if sparse["full"] else None},
+        "gp": gp,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+class Runner:
+    """Runs (or reuses) arm/seed runs of one preset."""
+
+    def __init__(
+        self, name: str, p: Preset, root: Path, backend: str, device: torch.device, progress: bool
+    ) -> None:
+        self.name, self.p, self.root, self.backend = name, p, root, backend
+        self.device, self.progress = device, progress
+        self.runs = root / "runs" / f"orbits-{name}"
+        self.data = prepare_data(p, name, root, device)
+        self.computed: list[str] = []  # stages computed (not reused) by this invocation
+
+    def run(self, arm: Arm, seed: int) -> dict[str, Any]:
+        d = self.runs / f"{arm.name}-s{seed}"
+        d.mkdir(parents=True, exist_ok=True)
+        p, data = self.p, self.data
+        idx_s, idx_t = sr_points(data, p, seed)
+        masses, r = data.masses["test"][idx_s], data.r["test"][idx_s, idx_t]
+        sr_cfg = {
+            k: getattr(p, k)
+            for k in ("sr_points", "sr_budget_s", "n_boot", "tol", "r2_min", "first_step")
+        }
+        if arm.attn is None:  # oracle: the true forces through the same pipeline
+            key = _key({"data": data.key, "sr": sr_cfg, "backend": self.backend, "seed": seed})
+            res = _load_if(d / "result.json", key)
+            if res is None:
+                F = np.exp(data.log_f["test"][idx_s, idx_t])
+                res = {
+                    "key": key,
+                    "arm": arm.name,
+                    "seed": seed,
+                    "pretrain": None,
+                    "probe": None,
+                    "sr": symbolic_regression(
+                        masses[:, 0], masses[:, 1], r, F, p, seed, self.backend
+                    ),
+                }
+                self._finish(d, res, arm)
+            return res | {"run_dir": str(d)}
+        mcfg = model_config(p, arm, data)
+        k1 = _key(
+            {
+                "data": data.key,
+                "model": mcfg.to_json(),
+                "seed": seed,
+                "pretrain": [p.pretrain_steps, p.pretrain_batch, p.pretrain_lr]
+                if arm.pretrained
+                else None,
+            }
+        )
+        k2 = _key(
+            {
+                "k1": k1,
+                "finetune": [p.finetune_steps, p.finetune_batch, p.finetune_lr],
+                "first_step": p.first_step,
+                "ridge_alpha": p.ridge_alpha,
+            }
+        )
+        k3 = _key({"k2": k2, "sr": sr_cfg, "backend": self.backend})
+        res = _load_if(d / "result.json", k3)
+        if res is not None:
+            return res | {"run_dir": str(d)}
+        pred = _load_if(d / "predictions.npz", k2)
+        if pred is None:
+            pre, pred = self._train(arm, seed, mcfg, d, k1, k2)
+        else:
+            pre = _load_if(d / "pretrained.pt", k1)
+        F_hat = np.exp(pred["log_f_pred"][idx_s, idx_t - p.first_step])
+        sr = symbolic_regression(masses[:, 0], masses[:, 1], r, F_hat, p, seed, self.backend)
+        ridge_f = np.exp(pred["log_f_ridge"][idx_s, idx_t - p.first_step])
+        ridge = symreg.power_law_fit(
+            masses[:, 0], masses[:, 1], r, ridge_f, n_boot=p.n_boot, seed=seed
+        )
+        sr["ridge_power_law"] = ridge | {"criteria": symreg.criteria(ridge, p.tol, p.r2_min)}
+        res = {
+            "key": k3,
+            "arm": arm.name,
+            "seed": seed,
+            "attn": mcfg.attn,
+            "attn_options": mcfg.attn_options,
+            "window": mcfg.window,
+            "pretrained": arm.pretrained,
+            "params": int(pred["params"]),
+            "pretrain": None
+            if pre is None
+            else {k: pre[k] for k in pre if k not in ("key", "state", "curve")},
+            "probe": {
+                k: float(pred[k])
+                for k in (
+                    "test_r2",
+                    "test_rmse",
+                    "probe_r2",
+                    "ridge_test_r2",
+                    "ridge_probe_r2",
+                    "seconds",
+                )
+            },
+            "sr": sr,
+        }
+        self._finish(d, res, arm)
+        return res | {"run_dir": str(d)}
+
+    def _finish(self, d: Path, res: dict[str, Any], arm: Arm) -> None:
+        sr = res["sr"]
+        res["recovered_newton"] = bool(sr["gp"]["is_newton"] and sr["criteria"]["newton"])
+        _save_json(d / "result.json", res)
+        self.computed.append(f"{arm.name}-s{res['seed']}:sr")
+
+    def _train(
+        self, arm: Arm, seed: int, mcfg: OrbitModelConfig, d: Path, k1: str, k2: str
+    ) -> tuple[dict | None, dict]:
+        p, data = self.p, self.data
+        torch.manual_seed(seed)
+        model = OrbitGPT(mcfg).to(self.device)
+        _save_json(
+            d / "config.json",
+            {
+                "preset": dataclasses.asdict(p),
+                "arm": arm.name,
+                "seed": seed,
+                "model": mcfg.to_json(),
+                "data": data.info,
+                "env": environment(self.device),
+            },
+        )
+        pre = None
+        if arm.pretrained:
+            pre = _load_if(d / "pretrained.pt", k1)
+            if pre is None:
+                t0 = time.perf_counter()
+                curve = pretrain(
+                    model,
+                    data.tokens["train"],
+                    p.pretrain_steps,
+                    p.pretrain_batch,
+                    p.pretrain_lr,
+                    seed * 1000 + 1,
+                    self.progress,
+                )
+                skip = 7  # from step 3 on, where the extrapolation baselines are defined
+                pre = {
+                    "key": k1,
+                    "state": model.state_dict(),
+                    "curve": curve,
+                    "test_loss": next_token_eval(model, data.tokens["test"], skip),
+                    "final_train_loss": float(np.mean(curve[-20:])),
+                    "loss": "mse" if p.fmt == "continuous" else "cross-entropy (x + y bins)",
+                    "seconds": time.perf_counter() - t0,
+                    "steps": p.pretrain_steps,
+                }
+                if p.fmt == "continuous":
+                    x = data.tokens["test"]["x"].cpu().numpy()
+                    pre["baselines"] = extrapolation_baselines(x, skip, data.accel_scale)
+                _save_torch(d / "pretrained.pt", pre)
+                self.computed.append(f"{arm.name}-s{seed}:pretrain")
+            else:
+                model.load_state_dict(pre["state"])
+            pre = {k: v for k, v in pre.items() if k != "state"}
+        pred = force_probes(
+            model,
+            data,
+            p.first_step,
+            p.ridge_alpha,
+            p.finetune_steps,
+            p.finetune_batch,
+            p.finetune_lr,
+            seed * 1000 + 2,
+            self.progress,
+        )
+        _save_torch(d / "finetuned.pt", {"key": k2, "state": model.state_dict()})
+        pred["key"] = k2
+        _save_npz(d / "predictions.npz", **pred)
+        self.computed.append(f"{arm.name}-s{seed}:probe")
+        return pre, pred
+
+
+# ------------------------------------------------------------------------------- entry
+def resolve_preset(
+    name: str, overrides: dict[str, Any] | None = None, fmt: str | None = None
+) -> Preset:
+    """The named preset with ``overrides`` (``field`` or ``data.field`` -> value)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    p = dataclasses.replace(PRESETS[name], data=dict(PRESETS[name].data))
+    fields = {f.name for f in dataclasses.fields(Preset)} - {"description", "budget", "data"}
+    for k, v in (overrides or {}).items():
+        if k.startswith("data."):
+            p.data[k[5:]] = v
+        elif k in fields:
+            setattr(p, k, v)
+        else:
+            raise ValueError(
+                f"unknown setting {k!r}; valid: {', '.join(sorted(fields))}, "
+                "data.<OrbitConfig field>"
+            )
+    if fmt is not None:
+        p.fmt = fmt
+    if p.fmt not in FORMATS:
+        raise ValueError(f"unknown format {p.fmt!r}; valid: {', '.join(FORMATS)}")
+    if not 0 <= p.first_step:
+        raise ValueError("first_step must be >= 0")
+    return p
+
+
+def check_arms(arms: list[str]) -> list[str]:
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise ValueError(
+            f"unknown arm(s) {', '.join(map(repr, bad)) or '(none given)'}; "
+            f"valid arms: {', '.join(ARMS)}"
+        )
+    return list(dict.fromkeys(arms))
+
+
+def _run_job(
+    name: str, p: Preset, root: Path, backend: str, device: str, arm: str, seed: int
+) -> tuple[dict[str, Any], list[str]]:
+    """One arm/seed in a worker process (one torch thread; the data already exist)."""
+    torch.set_num_threads(1)
+    runner = Runner(name, p, root, backend, torch.device(device), progress=False)
+    return runner.run(ARMS[arm], seed), runner.computed
+
+
+def run_experiment(
+    preset: str = "quick",
+    arms: list[str] | None = None,
+    seeds: list[int] | None = None,
+    out: str | os.PathLike = ".",
+    overrides: dict[str, Any] | None = None,
+    fmt: str | None = None,
+    backend: str = "auto",
+    progress: bool = True,
+    jobs: int | None = None,
+) -> dict[str, Any]:
+    """Run (or reuse) every arm x seed of ``preset`` under ``out`` and write the report.
+
+    ``jobs`` (default: the preset's) runs that many arm/seed runs at once in worker processes
+    with one torch thread each; results do not depend on it. Returns ``{"report": Path,
+    "results": [...], "computed": [stages computed now], "seconds": float}``."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from tqdm import tqdm
+
+    from lssar.orbits.report import write_report
+
+    t0 = time.perf_counter()
+    p = resolve_preset(preset, overrides, fmt)
+    arms = check_arms(arms if arms is not None else p.arms)
+    seeds = list(seeds if seeds is not None else p.seeds)
+    if not seeds:
+        raise ValueError("need at least one seed")
+    jobs = p.jobs if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    backend = symreg._resolve_backend(backend)  # fail before training if SR cannot run
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if p.device == "auto" else p.device
+    )
+    root = Path(out)
+    runner = Runner(preset, p, root, backend, device, progress and jobs == 1)  # makes the data
+    todo = [(a, s) for s in seeds for a in arms]
+    bar = tqdm(total=len(todo), desc=f"orbits {preset}", disable=not progress, dynamic_ncols=True)
+    results: list[dict[str, Any]] = []
+    if jobs == 1 or len(todo) == 1:
+        for a, s in todo:
+            results.append(runner.run(ARMS[a], s))
+            bar.update()
+    else:
+        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=get_context("spawn")) as ex:
+            futs = [
+                ex.submit(_run_job, preset, p, root, backend, str(device), a, s) for a, s in todo
+            ]
+            for f in futs:
+                res, computed = f.result()
+                results.append(res)
+                runner.computed += computed
+                bar.update()
+    bar.close()
+    seconds = time.perf_counter() - t0
+    report = write_report(
+        preset,
+        p,
+        results,
+        root / "reports" / f"orbits-{preset}-{dt.date.today().isoformat()}",
+        seconds,
+        runner.data.info,
+        environment(device),
+        runner.computed,
+    )
+    return {"report": report, "results": results, "computed": runner.computed, "seconds": seconds}
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="lssar orbits",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--preset", default="quick", help="; ".join(f"{k}: {v.budget}" for k, v in PRESETS.items())
+    )
+    ap.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
+    ap.add_argument("--seeds", help="comma-separated integers, e.g. 0,1,2")
+    ap.add_argument("--out", default=".", help="root of data/, runs/ and reports/ (default .)")
+    ap.add_argument("--format", choices=FORMATS, help="token format (default: the preset's)")
+    ap.add_argument("--sr-backend", default="auto", help="auto | pyoperon | gplearn | pysr")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: these matrices are tiny, and one "
+        "thread does not collapse when the cores are shared)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a preset field (e.g. pretrain_steps=100, data.n_systems=500)",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        help="arm/seed runs in parallel processes (default: the preset's; cpu: 2)",
+    )
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = _parse_value(v)
+    try:
+        seeds = None if args.seeds is None else [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    arms = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
+    try:
+        out = run_experiment(
+            args.preset,
+            arms,
+            seeds,
+            args.out,
+            overrides,
+            args.format,
+            args.sr_backend,
+            not args.no_progress,
+            args.jobs,
+        )
+    except ImportError as e:  # a missing SR backend: one line naming what to install
+        raise ValueError(str(e)) from e
+    print(f"report: {out['report'] / 'REPORT.md'} ({out['seconds'] / 60:.1f} min)")
+    return 0

@@ -1,0 +1,230 @@
+"""Tests for the orbital world-model experiment (lssar.orbits.experiment / models / report)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lssar.cli import main
+from lssar.orbits import experiment as ex
+from lssar.orbits import symreg
+from lssar.orbits.models import OrbitGPT, OrbitModelConfig, sliding_window_mask
+
+# Tiny sizes: the whole pipeline (data, pretraining, probes, SR, report) in seconds.
+MICRO = {
+    "data.n_systems": 120,
+    "data.n_steps": 12,
+    "n_layer": 2,
+    "n_embd": 32,
+    "pretrain_steps": 4,
+    "finetune_steps": 4,
+    "first_step": 4,
+    "sr_points": 60,
+    "sr_budget_s": 2.0,
+    "n_boot": 20,
+}
+ARMS = ["softmax", "lssar", "oracle"]
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("orbits")
+    first = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
+    return out, first
+
+
+def test_micro_end_to_end_report(micro):
+    out, first = micro
+    rep = first["report"]
+    text = (rep / "REPORT.md").read_text()
+    assert "## Summary by arm" in text and "Claim under test" in text
+    for arm in ARMS:
+        assert f"| {arm} |" in text
+    assert (rep / "force_scatter.png").exists() and (rep / "exponents.png").exists()
+    res = json.loads((rep / "results.json").read_text())
+    assert set(res) >= {"preset", "settings", "data", "verdict", "summary", "runs", "env"}
+    assert res["verdict"]["status"] in {
+        "supported",
+        "not supported",
+        "contradicted",
+        "inconclusive",
+    }
+    assert [r["arm"] for r in res["runs"]] == ARMS
+    for r in res["runs"]:
+        assert {"seed", "sr", "recovered_newton", "pretrain", "probe"} <= set(r)
+        pl = r["sr"]["power_law"]
+        assert {"alpha", "beta", "gamma", "r2", "ci95"} <= set(pl)
+        assert {"inverse_square", "newton"} <= set(r["sr"]["criteria"])
+        assert "expression" in r["sr"]["gp"]
+        if r["arm"] != "oracle":
+            assert r["pretrain"]["steps"] == MICRO["pretrain_steps"]
+            assert -10 < r["probe"]["test_r2"] <= 1 and "ridge_test_r2" in r["probe"]
+            run_dir = out / "runs" / "orbits-quick" / f"{r['arm']}-s0"
+            for f in ("pretrained.pt", "finetuned.pt", "predictions.npz", "result.json"):
+                assert (run_dir / f).exists()
+
+
+def test_oracle_recovers_newton_exactly(micro):
+    _, first = micro
+    oracle = next(r for r in first["results"] if r["arm"] == "oracle")
+    gp = oracle["sr"]["gp"]
+    assert gp["is_newton"] and gp["newton_G"] == pytest.approx(1.0)  # G = 1 in this preset
+    assert symreg.newton_constant(gp["expression"]) == pytest.approx(1.0)
+    assert oracle["sr"]["criteria"]["newton"] and oracle["recovered_newton"]
+    assert oracle["sr"]["power_law"]["gamma"] == pytest.approx(-2.0, abs=1e-9)
+
+
+def test_rerun_reuses_every_stage(micro):
+    out, _ = micro
+    runs = out / "runs" / "orbits-quick"
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file()}
+    again = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
+    assert again["computed"] == []
+    after = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_changed_setting_recomputes_only_later_stages(micro, tmp_path):
+    src, _ = micro
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    d = out / "runs" / "orbits-quick" / "softmax-s0"
+    pre = (d / "pretrained.pt").stat().st_mtime_ns
+    again = ex.run_experiment(
+        "quick", ["softmax"], [0], out, {**MICRO, "sr_points": 50}, progress=False
+    )
+    assert again["computed"] == ["softmax-s0:sr"]
+    assert (d / "pretrained.pt").stat().st_mtime_ns == pre
+    assert again["results"][0]["sr"]["n_points"] == 50
+
+
+def test_killed_run_resumes_at_last_finished_stage(micro, tmp_path):
+    src, _ = micro
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    runs = out / "runs" / "orbits-quick"
+    # softmax killed after pretraining; lssar's checkpoint damaged (a kill mid-write)
+    (runs / "softmax-s0" / "predictions.npz").unlink()
+    (runs / "softmax-s0" / "result.json").unlink()
+    for f in ("finetuned.pt", "predictions.npz", "result.json"):
+        (runs / "lssar-s0" / f).unlink()
+    (runs / "lssar-s0" / "pretrained.pt").write_bytes(b"truncated")
+    pre = (runs / "softmax-s0" / "pretrained.pt").stat().st_mtime_ns
+    again = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
+    assert again["computed"] == [
+        "softmax-s0:probe",
+        "softmax-s0:sr",
+        "lssar-s0:pretrain",
+        "lssar-s0:probe",
+        "lssar-s0:sr",
+    ]
+    assert (runs / "softmax-s0" / "pretrained.pt").stat().st_mtime_ns == pre
+    first = {r["arm"]: r for r in micro[1]["results"]}
+    for r in again["results"]:  # deterministic: the same numbers as the uninterrupted run
+        assert r["sr"]["power_law"]["alpha"] == pytest.approx(
+            first[r["arm"]]["sr"]["power_law"]["alpha"], abs=1e-6
+        )
+
+
+def test_sliding_window_mask_is_causal_band():
+    n, w = 11, 3
+    m = sliding_window_mask(n, w)
+    for i in range(n):
+        for j in range(n):
+            assert bool(m[i, j]) == (0 <= i - j < w)
+    assert m.sum(1).tolist() == [min(i + 1, w) for i in range(n)]
+    with pytest.raises(ValueError):
+        sliding_window_mask(4, 0)
+
+
+def _batch(L=17, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, L, 2, generator=g)
+    special = torch.zeros(2, L, dtype=torch.long)
+    special[:, 0] = 1
+    return {"x": x, "special": special, "dt": torch.zeros(2)}
+
+
+def test_windowed_model_sees_only_its_window():
+    w = 4
+    torch.manual_seed(0)
+    model = OrbitGPT(OrbitModelConfig(n_layer=1, n_head=2, n_embd=16, window=w)).eval()
+    b = _batch()
+    h = model(b)
+    i = 12
+    far, near = _batch(), _batch()
+    far["x"][:, i - w] += 1.0  # just outside the window of token i (one layer: no relay)
+    near["x"][:, i - w + 1] += 1.0
+    with torch.no_grad():
+        assert torch.allclose(model(far)[:, i], h[:, i], atol=1e-6)
+        assert not torch.allclose(model(near)[:, i], h[:, i], atol=1e-4)
+
+
+def test_arms_share_initial_weights_and_wide_window_is_exact():
+    def build(**kw):
+        torch.manual_seed(3)
+        return OrbitGPT(OrbitModelConfig(n_layer=2, n_head=2, n_embd=16, **kw)).eval()
+
+    soft, local, lssar = build(), build(window=4), build(attn="lssar", attn_options={"p": 15.0})
+    for other in (local, lssar):
+        sd = other.state_dict()
+        assert all(torch.equal(v, sd[k]) for k, v in soft.state_dict().items())
+    wide = build(window=10_000)
+    b = _batch()
+    with torch.no_grad():
+        assert torch.allclose(wide(b), soft(b), atol=1e-5)
+        assert not torch.allclose(local(b), soft(b), atol=1e-4)
+
+
+def test_vafa_preset_discrete_smoke(tmp_path):
+    torch.set_num_threads(1)
+    over = {
+        **MICRO,
+        "data.n_systems": 60,
+        "n_layer": 1,
+        "n_head": 2,
+        "n_bins": 64,
+        "pretrain_steps": 2,
+        "finetune_steps": 2,
+        "sr_points": 40,
+        "sr_budget_s": 1.0,
+    }
+    out = ex.run_experiment(
+        "vafa", ["softmax", "oracle"], [0], tmp_path, over, fmt="discrete", progress=False
+    )
+    soft = out["results"][0]
+    assert soft["pretrain"]["loss"].startswith("cross-entropy")
+    assert (out["report"] / "REPORT.md").exists()
+
+
+def test_bad_names_raise_clear_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="valid presets: quick, cpu, vafa"):
+        ex.resolve_preset("huge")
+    with pytest.raises(ValueError, match="valid arms: softmax, lssa, lssar-p3, lssar"):
+        ex.check_arms(["softmax", "transformer-xl"])
+    with pytest.raises(ValueError, match="unknown setting 'lr'"):
+        ex.resolve_preset("quick", {"lr": 1.0})
+    assert main(["orbits", "--preset", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["orbits", "--arms", "softmax,bogus", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "valid presets" in err and "'bogus'" in err and err.count("\n") == 2
+
+
+def test_impossible_orbits_surface_kepler_message(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"e_max must be in \[0, 1\)"):
+        ex.run_experiment(
+            "quick", ["oracle"], [0], tmp_path, {**MICRO, "data.e_max": 1.5}, progress=False
+        )
+    assert main(["orbits", "--out", str(tmp_path), "--set", "data.m1_range=(2.0, 1.0)"]) == 2
+    assert "m1_range must satisfy" in capsys.readouterr().err
+
+
+def test_missing_sr_backend_names_what_to_install(tmp_path, capsys):
+    if "pysr" in symreg.installed_backends():
+        pytest.skip("pysr is installed here")
+    with pytest.raises(ImportError, match="pyoperon"):
+        ex.run_experiment("quick", ["oracle"], [0], tmp_path, MICRO, backend="pysr", progress=False)
+    assert main(["orbits", "--out", str(tmp_path), "--sr-backend", "pysr"]) == 2
+    assert "pip install pyoperon" in capsys.readouterr().err
