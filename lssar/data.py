@@ -547,7 +547,43 @@ def load_split(data_dir: str | Path, split: str) -> np.ndarray:
         np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r")
         for s in m["splits"][split]["shards"]
     ]
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return arrays[0] if len(arrays) == 1 else ShardedTokens(arrays)
+
+
+class ShardedTokens:
+    """Several token shards viewed as one 1-D array without loading them (FineWeb: ~20 GB).
+
+    Supports ``len``, integer-array indexing (what batching uses) and slices; indexing maps each
+    global position to its shard with a binary search over the shard offsets.
+    """
+
+    def __init__(self, shards: list[np.ndarray]) -> None:
+        self.shards = shards
+        self.offsets = np.cumsum([0] + [len(a) for a in shards])
+        self.dtype = shards[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """Materialise every shard (only for splits that fit in memory)."""
+        return np.concatenate(self.shards).astype(dtype or self.dtype, copy=False)
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(len(self)))
+        index = np.asarray(index)
+        if index.size and (index.min() < 0 or index.max() >= len(self)):
+            raise IndexError(f"token index out of range [0, {len(self)})")
+        shard = np.searchsorted(self.offsets, index, side="right") - 1
+        out = np.empty(index.shape, dtype=self.dtype)
+        for i in np.unique(shard):
+            sel = shard == i
+            out[sel] = self.shards[i][index[sel] - self.offsets[i]]
+        return out
 
 
 # ---------------------------------------------------------------------------------- batching
