@@ -28,8 +28,10 @@ def variants_cli(argv: list[str]) -> int:
 
     for v in lssar.variants():
         opts = ", ".join(f"{k}={val!r}" for k, val in v["options"].items()) or "-"
-        print(f"{v['name']:<21} {v['summary']}\n{'':<21} options: {opts}; impls: "
-              f"{', '.join(v['impls'])}")
+        print(
+            f"{v['name']:<21} {v['summary']}\n{'':<21} options: {opts}; impls: "
+            f"{', '.join(v['impls'])}"
+        )
     return 0
 
 

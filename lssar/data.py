@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -25,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from lssar.runio import atomic_write
 
 FORMAT = "lssar-tokens"
 FORMAT_VERSION = 1
@@ -203,7 +204,7 @@ def train_bpe(
     )
     tok.train_from_iterator(texts, trainer)
     path = Path(path)
-    _atomic_write(path, tok.to_str().encode("utf-8"))
+    atomic_write(path, tok.to_str().encode("utf-8"))
     return path
 
 
@@ -315,15 +316,6 @@ def _assign_splits(
 # ----------------------------------------------------------------------------------- shards
 
 
-def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -334,7 +326,7 @@ def _sha256_file(path: Path) -> str:
 
 def _write_shard(path: Path, arr: np.ndarray) -> dict[str, Any]:
     data = np.ascontiguousarray(arr).data
-    _atomic_write(path, data)
+    atomic_write(path, data)
     return {"file": path.name, "tokens": len(arr), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -497,7 +489,7 @@ def prepare(
     }
     if bpe_size is not None:
         manifest["tokenizer_sha256"] = _sha256_file(out / TOKENIZER_FILE)
-    _atomic_write(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return out
 
 

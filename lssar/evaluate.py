@@ -13,8 +13,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from tqdm.auto import tqdm
 
 from lssar.data import get_tokenizer, iter_eval_windows, load_split
 from lssar.model import GPT
+from lssar.runio import atomic_write
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 TOKENS_PER_BATCH = 8192  # rows per forward = this // length (memory stays flat across lengths)
@@ -49,14 +48,6 @@ def parse_multiples(text: str | list[int] | tuple[int, ...]) -> list[int]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 @torch.inference_mode()
@@ -327,9 +318,9 @@ def evaluate_run(
         result["passkey"] = passkey_accuracy(
             tuned, tok, val, lengths, [0.1, 0.5, 0.9], passkey_trials
         )
-    atomic_write_text(out_dir / "results.md", results_markdown(result))
+    atomic_write(out_dir / "results.md", results_markdown(result))
     plot_results([result], out_dir)
-    atomic_write_text(cached, json.dumps(result, indent=1))
+    atomic_write(cached, json.dumps(result, indent=1))
     return result
 
 

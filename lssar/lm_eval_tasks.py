@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 
 from lssar import data
-from lssar.evaluate import KEY_TEMPLATE, QUESTION, atomic_write_text
+from lssar.evaluate import KEY_TEMPLATE, QUESTION
 from lssar.model import GPT, KVCache
+from lssar.runio import atomic_write
 
 LOCAL_TASKS = ("lssar_heldout_ppl", "lssar_passkey", "lssar_passkey_gen")
 N_DISTRACTORS = 3
@@ -422,7 +423,7 @@ def cli(argv: list[str]) -> int:
     name, options, _ = lm.model.attn_spec
     tag = name + "".join(f"-{k}{v:g}" for k, v in options.items() if isinstance(v, (int, float)))
     path = out / f"results-{tag}.json"
-    atomic_write_text(path, json.dumps(results, indent=2, default=str) + "\n")
+    atomic_write(path, json.dumps(results, indent=2, default=str) + "\n")
     from lm_eval.utils import make_table
 
     print(make_table(results))

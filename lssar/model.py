@@ -106,8 +106,16 @@ class Attention(nn.Module):
             nn.Parameter(torch.full((self.n_head,), SSMAX_S_INIT)) if cfg.attn == "ssmax" else None
         )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, spec: tuple[str, dict, str],
-                cache: KVCache | None = None, layer: int = 0, weights: list | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        spec: tuple[str, dict, str],
+        cache: KVCache | None = None,
+        layer: int = 0,
+        weights: list | None = None,
+    ) -> Tensor:
         """``x (B, T, C)`` -> ``(B, T, C)``; appends ``(B, H, T, T_k)`` weights if asked."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(
@@ -124,12 +132,26 @@ class Attention(nn.Module):
         if name == "ssmax":
             options = {**options, "s": self.ssmax_s}
         gqa = self.n_kv != self.n_head
-        y = attention(q, k, v, None, self.dropout if self.training else 0.0, True, None, gqa,
-                      variant=name, impl=impl, **options)
+        y = attention(
+            q,
+            k,
+            v,
+            None,
+            self.dropout if self.training else 0.0,
+            True,
+            None,
+            gqa,
+            variant=name,
+            impl=impl,
+            **options,
+        )
         if weights is not None:
             with torch.no_grad():
-                weights.append(attention_weights(q, k, None, True, None, gqa,
-                                                 variant=get_variant(name), options=options))
+                weights.append(
+                    attention_weights(
+                        q, k, None, True, None, gqa, variant=get_variant(name), options=options
+                    )
+                )
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -175,8 +197,9 @@ class GPT(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
-    def set_attention(self, attn: str, options: dict[str, Any] | None = None,
-                      impl: str = "auto") -> None:
+    def set_attention(
+        self, attn: str, options: dict[str, Any] | None = None, impl: str = "auto"
+    ) -> None:
         """Switch the attention rule (all layers), e.g. to evaluate with re-weighting."""
         options = dict(options or {})
         check_attention(attn, options, impl)
@@ -190,8 +213,9 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def body(self, h: Tensor, pos: int = 0, cache: KVCache | None = None,
-             weights: list | None = None) -> Tensor:
+    def body(
+        self, h: Tensor, pos: int = 0, cache: KVCache | None = None, weights: list | None = None
+    ) -> Tensor:
         """Run the blocks on embeddings ``h (B, T, C)`` at absolute positions ``pos..pos+T``."""
         positions = torch.arange(pos, pos + h.shape[1], device=h.device)
         cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, positions, self.cfg.rope_base)
@@ -200,9 +224,14 @@ class GPT(nn.Module):
             h = block(h, cos, sin, self.attn_spec, cache, i, weights)
         return self.ln_f(h)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None,
-                weights: list | None = None, reduction: str = "mean"
-                ) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        cache: KVCache | None = None,
+        weights: list | None = None,
+        reduction: str = "mean",
+    ) -> tuple[Tensor, Tensor | None]:
         """``idx (B, T)`` token ids -> ``(logits (B, T, V), loss or None)``.
 
         With a ``cache`` the tokens continue the cached sequence (positions start at its length).
@@ -210,22 +239,31 @@ class GPT(nn.Module):
         ``reduction="none"`` returns the per-token loss ``(B, T)``.
         """
         if idx.min() < 0 or idx.max() >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}); got "
-                             f"[{int(idx.min())}, {int(idx.max())}]")
+            raise ValueError(
+                f"token ids must be in [0, {self.cfg.vocab_size}); got "
+                f"[{int(idx.min())}, {int(idx.max())}]"
+            )
         pos = cache.length if cache is not None else 0
         h = self.body(self.wte(idx), pos, cache, weights)
         logits = self.head(h)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                   reduction=reduction)
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), reduction=reduction
+            )
             if reduction == "none":
                 loss = loss.view_as(targets)
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
         """Sample ``max_new_tokens`` after the prompt ``idx (B, T)`` with a KV cache."""
         cache = KVCache(self.cfg.n_layer)
         logits, _ = self(idx, cache=cache)

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from lssar.evaluate import atomic_write_text, evaluate_run, plot_results
+from lssar.evaluate import evaluate_run, plot_results
+from lssar.runio import atomic_write
 
 # (attention, p): the arms the paper compares (METHOD.md section 6)
 ALL_ARMS = [
@@ -379,7 +380,7 @@ def write_report(
     lines += ["", "## Environment", "", "```", json.dumps(env, indent=1), "```", ""]
     out.mkdir(parents=True, exist_ok=True)
     plot_results(results, out)
-    atomic_write_text(
+    atomic_write(
         out / "results.json",
         json.dumps(
             {
@@ -390,7 +391,7 @@ def write_report(
             indent=1,
         ),
     )
-    atomic_write_text(out / "REPORT.md", "\n".join(lines))
+    atomic_write(out / "REPORT.md", "\n".join(lines))
     return out
 
 

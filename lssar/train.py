@@ -17,10 +17,7 @@ import difflib
 import json
 import math
 import os
-import platform
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import typing
@@ -37,6 +34,7 @@ from tqdm import tqdm
 
 from lssar import data
 from lssar.model import GPT, GPTConfig, check_attention
+from lssar.runio import atomic_write, environment
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -249,17 +247,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 # ------------------------------------------------------------------------- files, checkpoints
 
 
-def _atomic_write(path: Path, write: typing.Callable[[typing.BinaryIO], Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -292,33 +281,7 @@ def _load_model_state(model: GPT, ckpt: dict[str, Any], path: Path) -> None:
 
 
 def _environment(device: torch.device, world: int) -> dict[str, Any]:
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(
-                ["git", *args], cwd=PRESETS_DIR.parent, capture_output=True, text=True, timeout=10
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    status = git("status", "--porcelain")
-    return {
-        "git_sha": git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "world_size": world,
-        "argv": sys.argv,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    return environment(device, world_size=world)
 
 
 # ----------------------------------------------------------------------------------- training
@@ -406,7 +369,7 @@ def _init_run_dir(run_dir: Path, step: int, config: dict[str, Any], env: dict[st
     log = run_dir / "log.jsonl"
     lines = log.read_text().splitlines() if log.is_file() and step > 0 else []
     kept = "".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step)
-    _atomic_write(log, lambda f: f.write(kept.encode()))
+    atomic_write(log, lambda f: f.write(kept.encode()))
     _write_json(run_dir / "config.json", config)
     _write_json(run_dir / "env.json", env | {"start_step": step})
 
@@ -552,7 +515,7 @@ def _train(
                 tokenizer=cfg.tokenizer,
                 corpus=manifest["corpus"],
             )
-            _atomic_write(latest, lambda f: torch.save(state, f))
+            atomic_write(latest, lambda f: torch.save(state, f))
         _barrier()
 
     bf16 = _use_bf16(cfg.dtype, d.device)
@@ -612,7 +575,7 @@ def _train(
             os.link(latest, final)
         except OSError:
             with open(latest, "rb") as src:
-                _atomic_write(final, lambda f: shutil.copyfileobj(src, f))
+                atomic_write(final, lambda f: shutil.copyfileobj(src, f))
         _write_json(run_dir / "DONE", {"step": step, "tokens": tokens, "val_loss": history[-1][1]})
         print(f"{run_dir}: done, {step} steps, val loss {history[-1][1]:.4f}")
     _barrier()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lssar.ops.common import causal_mask, uniform_tolerance
+from lssar.ops.common import causal_mask, expand_kv, uniform_tolerance
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
 
@@ -127,18 +127,32 @@ def _row_scale(n: Tensor, scale: float, log_n: bool) -> Tensor:
     return torch.full_like(n, scale)
 
 
-def _blocks(t_q: int, t_k: int, rows: int, is_causal: bool):
+def _blocks(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    log_n: bool,
+    block: int,
+    dtype: torch.dtype,
+):
+    """Query blocks with work to do: ``(i0, i1, k_end, m, n, c)`` = rows ``i0:i1`` over keys
+    ``0:k_end``, their visibility ``m`` (None = all visible), counts ``N_i`` and row scales."""
+    B, H, t_q, _ = q.shape
+    t_k = k.shape[2]
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     offset = t_k - t_q
+    rows = _block_rows(B * H, t_k, block)
     for i0 in range(0, t_q, rows):
         i1 = min(t_q, i0 + rows)
         k_end = min(t_k, max(0, offset + i1)) if is_causal else t_k
-        yield i0, i1, k_end, offset
-
-
-def _prep_mask(mask: Tensor | None) -> Tensor | None:
-    if mask is None:
-        return None
-    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        if k_end == 0:  # rows before the first key (T_q > T_k, causal): output stays 0
+            continue
+        m = _block_mask(mask, is_causal, i0, i1, k_end, offset, q.device)
+        n = _counts(m, is_causal, i0, i1, k_end, offset, q.device).to(dtype)
+        yield i0, i1, k_end, m, n, _row_scale(n, scale, log_n)
 
 
 @torch.library.custom_op("lssar::softplus_attention", mutates_args=())
@@ -157,17 +171,9 @@ def softplus_attention_op(
     ``k (B,H,T_k,D)``, ``v (B,H,T_k,D_v)`` -> ``(B,H,T_q,D_v)`` in ``q``'s dtype."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
-    B, H, t_q, _ = q.shape
-    t_k = k.shape[2]
-    mask = _prep_mask(mask)
-    out = torch.zeros(B, H, t_q, v.shape[-1], dtype=dtype, device=q.device)
-    rows = _block_rows(B * H, t_k, block)
-    for i0, i1, k_end, offset in _blocks(t_q, t_k, rows, is_causal):
-        if k_end == 0:
-            continue
-        m = _block_mask(mask, is_causal, i0, i1, k_end, offset, q.device)
-        n = _counts(m, is_causal, i0, i1, k_end, offset, q.device).to(dtype)
-        qc = qf[:, :, i0:i1] * _row_scale(n, scale, log_n)
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=dtype, device=q.device)
+    for i0, i1, k_end, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype):
+        qc = qf[:, :, i0:i1] * c
         _, num, den, _ = _weights(qc, kf[:, :, :k_end], m, n, p)
         out[:, :, i0:i1] = (num @ vf[:, :, :k_end]) / den
     return out.to(q.dtype)
@@ -195,19 +201,10 @@ def softplus_attention_backward_op(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     g = grad.to(dtype)
-    B, H, t_q, _ = q.shape
-    t_k = k.shape[2]
-    mask = _prep_mask(mask)
     dq = torch.zeros_like(qf)
     dk = torch.zeros_like(kf)
     dv = torch.zeros_like(vf)
-    rows = _block_rows(B * H, t_k, block)
-    for i0, i1, k_end, offset in _blocks(t_q, t_k, rows, is_causal):
-        if k_end == 0:
-            continue
-        m = _block_mask(mask, is_causal, i0, i1, k_end, offset, q.device)
-        n = _counts(m, is_causal, i0, i1, k_end, offset, q.device).to(dtype)
-        c = _row_scale(n, scale, log_n)
+    for i0, i1, k_end, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype):
         qc, kb, vb, gb = qf[:, :, i0:i1] * c, kf[:, :, :k_end], vf[:, :, :k_end], g[:, :, i0:i1]
         s, num, den, stats = _weights(qc, kb, m, n, p, want_pm1=True)
         g_den = gb / den  # P^T g = num^T (g / den)
@@ -273,8 +270,6 @@ def chunked_attention(
     Same contract as :func:`lssar.ops.reference.reference_attention`; ``block`` = query rows per
     block (0 = choose from the sequence length). Returns ``(B, H_q, T_q, D_v)``.
     """
-    from lssar.ops.common import expand_kv
-
     if dropout_p > 0:
         raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
     if enable_gqa:

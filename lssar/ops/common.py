@@ -95,11 +95,10 @@ def check_inputs(
 
 
 def causal_mask(t_q: int, t_k: int, device: torch.device, q_start: int = 0) -> Tensor:
-    """Bottom-right aligned causal mask for query rows ``q_start .. q_start + t_q``.
+    """Causal visibility ``(t_q, t_k)`` of query rows at absolute positions ``q_start + i``.
 
-    Returns a bool tensor ``(t_q, t_k)``; query row ``i`` (of a block of ``T_q`` rows overall)
-    sees key ``j`` iff ``j <= T_k - T_q + i``. ``q_start`` and the offset are folded by the caller
-    through ``offset = T_k - T_q``; here ``q_start`` is already the absolute offset of row 0.
+    Row ``i`` sees key ``j`` iff ``j <= q_start + i``. For a whole block of ``T_q`` queries over
+    ``T_k`` keys (bottom-right alignment) ``q_start = T_k - T_q``.
     """
     i = torch.arange(t_q, device=device).unsqueeze(-1) + q_start
     j = torch.arange(t_k, device=device)

@@ -28,9 +28,6 @@ import hashlib
 import io
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +48,7 @@ from lssar.orbits.models import (
     next_token_eval,
     pretrain,
 )
+from lssar.runio import atomic_write, environment
 
 
 @dataclass(frozen=True)
@@ -173,29 +171,20 @@ def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _save_torch(path: Path, obj: Any) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    _atomic_bytes(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def _save_npz(path: Path, **arrays: Any) -> None:
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    _atomic_bytes(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def _save_json(path: Path, obj: Any) -> None:
-    _atomic_bytes(path, (json.dumps(obj, indent=1, default=_jsonable) + "\n").encode())
+    atomic_write(path, (json.dumps(obj, indent=1, default=_jsonable) + "\n").encode())
 
 
 def _jsonable(o: Any) -> Any:
@@ -222,38 +211,6 @@ def _load_if(path: Path, key: str) -> Any:
     except Exception:  # a damaged cache file is recomputed, never trusted
         return None
     return obj if isinstance(obj, dict) and obj.get("key") == key else None
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    """Code version, library versions and hardware of this invocation."""
-
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(
-                ["git", *args],
-                cwd=Path(__file__).resolve().parent,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    status = git("status", "--porcelain")
-    return {
-        "git_sha": git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "sr_backends": symreg.installed_backends(),
-        "platform": platform.platform(),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "argv": sys.argv,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
 
 
 # ------------------------------------------------------------------------------- data
@@ -451,7 +408,7 @@ class Runner:
                 "seed": seed,
                 "model": mcfg.to_json(),
                 "data": data.info,
-                "env": environment(self.device),
+                "env": environment(self.device, sr_backends=symreg.installed_backends()),
             },
         )
         pre = None
@@ -616,7 +573,7 @@ def run_experiment(
         root / "reports" / f"orbits-{preset}-{dt.date.today().isoformat()}",
         seconds,
         runner.data.info,
-        environment(device),
+        environment(device, sr_backends=symreg.installed_backends()),
         runner.computed,
     )
     return {"report": report, "results": results, "computed": runner.computed, "seconds": seconds}

@@ -23,12 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lssar.runio import atomic_write
 
 __all__ = [
     "OrbitConfig",
@@ -291,18 +292,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def make_splits(
     cfg: OrbitConfig,
     out_dir: str | os.PathLike,
@@ -344,7 +333,7 @@ def make_splits(
         idx = np.sort(perm[bounds[i] : bounds[i + 1]])
         arrays = {k: (v if v.ndim == 0 else v[idx]) for k, v in data.items()}
         arrays["system_index"] = idx
-        _atomic_write(out / f"{split}.npz", lambda f, arr=arrays: np.savez(f, **arr))
+        atomic_write(out / f"{split}.npz", lambda f, arr=arrays: np.savez(f, **arr))
         checks[split] = _sha256(out / f"{split}.npz")
     manifest = {
         **key,
@@ -352,7 +341,7 @@ def make_splits(
         "counts": dict(zip(SPLITS, counts.tolist(), strict=True)),
         "sha256": checks,
     }
-    _atomic_write(man_path, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+    atomic_write(man_path, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     return {**manifest, "reused": False}
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lssar.runio import atomic_write
 
 TARGET = {"alpha": 1.0, "beta": 1.0, "gamma": -2.0}
 GREEK = {"alpha": "α (m1)", "beta": "β (m2)", "gamma": "γ (r)"}
@@ -399,12 +400,6 @@ def write_report(
         "computed": computed,
         "env": env,
     }
-    _write(out / "results.json", json.dumps(payload, indent=1, default=str) + "\n")
-    _write(out / "REPORT.md", "\n".join(L))
+    atomic_write(out / "results.json", json.dumps(payload, indent=1, default=str) + "\n")
+    atomic_write(out / "REPORT.md", "\n".join(L))
     return out
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

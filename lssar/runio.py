@@ -1,0 +1,80 @@
+"""Files of runs and reports: atomic writes and the environment record of an invocation."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+
+def atomic_write(
+    path: str | Path, data: bytes | memoryview | str | Callable[[BinaryIO], Any]
+) -> None:
+    """Write ``data`` (bytes, text, or a function writing to a binary file) to ``path`` atomically.
+
+    The content goes to ``.<name>.<pid>.tmp`` beside ``path``, is fsynced, then renamed over
+    ``path``: a reader (or a run killed at any moment) sees the old file or the new one, never half.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, Any]:
+    """Code version (git SHA, dirty flag), library versions, hardware and command line."""
+    device = torch.device(device)
+    status = _git("status", "--porcelain")
+    return {
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "argv": sys.argv,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **extra,
+    }
