@@ -1,0 +1,90 @@
+"""The GPT: KV-cache decoding equals a full forward, no length cap, attention switching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lssar.model import GPT, GPTConfig, KVCache
+
+
+def _model(attn: str, **kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32, attn=attn, **kw)
+    return GPT(cfg).double().eval()
+
+
+@pytest.mark.parametrize(
+    "attn,opts",
+    [("softmax", {}), ("lssa", {}), ("lssar", {}), ("lssar", {"p": 3.0}), ("ssmax", {})],
+)
+@pytest.mark.parametrize("n_kv_head", [None, 2])
+def test_incremental_decoding_matches_full_forward(attn, opts, n_kv_head):
+    model = _model(attn, attn_options=opts, n_kv_head=n_kv_head)
+    idx = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(2)
+        parts = [model(idx[:, :6], cache=cache)[0]]
+        for t in range(6, 21):
+            parts.append(model(idx[:, t : t + 1], cache=cache)[0])
+    assert cache.length == 21
+    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-10)
+
+
+def test_generate_is_greedy_argmax_of_full_forward():
+    model = _model("lssar")
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    out = model.generate(prompt, 6, temperature=0.0)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq)[0][:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_runs_far_beyond_any_training_length_and_returns_weights():
+    model = _model("lssar")
+    idx = torch.randint(0, 64, (1, 700))
+    weights: list[torch.Tensor] = []
+    with torch.no_grad():
+        logits, loss = model(idx, idx, weights=weights)
+    assert logits.shape == (1, 700, 64) and torch.isfinite(loss)
+    assert len(weights) == 2 and weights[0].shape == (1, 4, 700, 700)
+    assert torch.allclose(weights[1].sum(-1), torch.ones(1, 4, 700, dtype=torch.float64))
+
+
+def test_attention_can_be_switched_for_evaluation():
+    model = _model("lssa")
+    idx = torch.randint(0, 64, (1, 40))
+    with torch.no_grad():
+        base, _ = model(idx)
+        model.set_attention("lssar", {"p": 15.0})
+        sharp, _ = model(idx)
+        model.set_attention("lssa")
+        again, _ = model(idx)
+    assert not torch.allclose(base, sharp) and torch.equal(base, again)
+    with pytest.raises(ValueError, match="cannot switch to ssmax"):
+        model.set_attention("ssmax")
+    with pytest.raises(ValueError, match="takes no option"):
+        model.set_attention("relu", {"p": 3.0})
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(n_embd=30), "divisible by n_head"),
+        (dict(n_embd=36, n_head=4), "must be even"),
+        (dict(n_kv_head=3), "divisible by n_kv_head"),
+        (dict(attn="nope"), "valid variants"),
+        (dict(attn="ssmax", attn_options={"s": 1.0}), "learned parameter"),
+    ],
+)
+def test_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**{"n_embd": 32, "n_head": 4, **kw})
+
+
+def test_token_ids_out_of_range():
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\)"):
+        _model("softmax")(torch.tensor([[3, 64]]))
