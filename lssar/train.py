@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import math
 import os
 import shutil
-import sys
 import time
-import typing
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,207 +30,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from lssar import data
-from lssar.model import GPT, GPTConfig, check_attention
+from lssar.config import (
+    BOOKKEEPING,
+    TrainConfig,
+    default_run_name,
+    list_presets,
+    load_config,
+    model_config,
+    validate,
+)
+from lssar.model import GPT, GPTConfig
 from lssar.runio import atomic_write, environment
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10
-    import tomli as tomllib
-
-PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
 CKPT_FORMAT = "lssar-ckpt"
-_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-# GPTConfig fields that TrainConfig holds under the same name (vocab_size comes from the data).
-_MODEL_KEYS = [
-    f.name for f in dataclasses.fields(GPTConfig) if f.name not in ("vocab_size", "attn_options")
-]
-_POSITIVE = "n_layer seq_len batch_size grad_accum max_steps eval_every ckpt_every log_every"
-# Fields that change how a run is watched or where it lives, not what it computes: a resumed run
-# may change them freely.
-BOOKKEEPING = frozenset(
-    "eval_every log_every ckpt_every max_time_s compile device out_dir run_name preset".split()
-)
-
-
-@dataclass
-class TrainConfig:
-    """Everything a run depends on; flat, so every field is a ``--key=value`` flag."""
-
-    # data
-    corpus: str = "shakespeare"
-    tokenizer: str = "byte"
-    data_dir: str | None = None  # None -> data.prepare(corpus, tokenizer) default dir
-    # model (-> GPTConfig; vocab_size comes from the dataset manifest)
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None
-    n_embd: int = 128
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
-    rope_base: float = 10000.0
-    attn: str = "softmax"
-    attn_p: float | None = None  # -> attn_options {"p": ...}; None = the variant's default
-    attn_impl: str = "auto"
-    # optimisation
-    seq_len: int = 128
-    batch_size: int = 32  # per rank
-    grad_accum: int = 1
-    max_steps: int = 1000
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    dtype: str = "auto"  # "auto" = bf16 autocast where supported, "bf16", "fp32"
-    compile: bool = False
-    seed: int = 0
-    device: str = "auto"
-    # bookkeeping
-    eval_every: int = 100
-    eval_tokens: int = 32768
-    ckpt_every: int = 200
-    log_every: int = 10
-    out_dir: str = "runs"
-    run_name: str | None = None  # None -> f"{preset or 'custom'}-{attn}[-p{p}]-s{seed}"
-    preset: str | None = None
-    max_time_s: float | None = None  # wall-clock budget: checkpoint and stop when exceeded
-
-
-# ------------------------------------------------------------------------------------ config
-
-
-def list_presets() -> list[str]:
-    """Names of the presets in the repository's ``configs/`` directory."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
-
-
-def _parse(key: str, value: Any, tp: Any) -> Any:
-    """``value`` (a string from the command line, or a TOML/dict value) as the field's type."""
-    args = typing.get_args(tp)
-    optional = type(None) in args
-    base = next(a for a in args if a is not type(None)) if args else tp
-    want = f"{base.__name__}{' or none' if optional else ''}"
-    if isinstance(value, str) and optional and value.strip().lower() in ("none", "null", ""):
-        return None
-    if isinstance(value, str) and base is not str:
-        s = value.strip().lower()
-        try:
-            if base is bool:
-                return _BOOLS[s]
-            return base(s)
-        except (KeyError, ValueError):
-            raise ValueError(f"{key}: expected {want}, got {value!r}") from None
-    if value is None and optional:
-        return None
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
-        raise ValueError(f"{key}: expected {want}, got {value!r}")
-    return value
-
-
-def _coerce(values: dict[str, Any], source: str) -> dict[str, Any]:
-    types = typing.get_type_hints(TrainConfig)
-    out = {}
-    for key, value in values.items():
-        if key not in types:
-            close = difflib.get_close_matches(key, list(types), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(
-                f"unknown config key {key!r} in {source}{hint}; `lssar train --help` lists them"
-            )
-        out[key] = _parse(key, value, types[key])
-    return out
-
-
-def _preset_path(preset: str) -> Path:
-    if preset.endswith(".toml"):
-        path = Path(preset).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"preset file {path} does not exist")
-        return path
-    path = PRESETS_DIR / f"{preset}.toml"
-    if not path.is_file():
-        raise ValueError(
-            f"unknown preset {preset!r}; presets: {', '.join(list_presets())} "
-            "(or a path to a .toml file)"
-        )
-    return path
-
-
-def load_config(
-    preset: str | None = None, overrides: list[str] | dict[str, Any] | None = None
-) -> TrainConfig:
-    """Dataclass defaults < ``configs/<preset>.toml`` (or a .toml path) < ``overrides``.
-
-    ``overrides`` is a dict or ``"--key=value"`` / ``"key=value"`` strings (``--max-steps`` works
-    as ``--max_steps``); strings are parsed to the field's type (``none`` for optional fields).
-    Unknown keys, bad values, and invalid attention settings raise ``ValueError``.
-    """
-    values: dict[str, Any] = {}
-    if preset is not None:
-        path = _preset_path(preset)
-        try:
-            table = tomllib.loads(path.read_text("utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path} is not valid TOML: {e}") from e
-        values |= _coerce(table, str(path)) | {"preset": preset}
-    if isinstance(overrides, dict):
-        values |= _coerce(overrides, "overrides")
-    else:
-        pairs = {}
-        for item in overrides or []:
-            key, eq, value = item.removeprefix("--").partition("=")
-            if not eq or not key:
-                raise ValueError(f"override {item!r}: expected --key=value")
-            pairs[key.replace("-", "_")] = value
-        values |= _coerce(pairs, "the overrides")
-    cfg = TrainConfig(**values)
-    validate(cfg)
-    return cfg
-
-
-def attn_options(cfg: TrainConfig) -> dict[str, Any]:
-    return {} if cfg.attn_p is None else {"p": cfg.attn_p}
-
-
-def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The :class:`GPTConfig` of ``cfg`` for a dataset with ``vocab_size`` tokens."""
-    shared = {k: getattr(cfg, k) for k in _MODEL_KEYS}
-    return GPTConfig(vocab_size=vocab_size, attn_options=attn_options(cfg), **shared)
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Raise ``ValueError`` naming the first setting that cannot work."""
-    check_attention(cfg.attn, attn_options(cfg), cfg.attn_impl)
-    model_config(cfg, 256)  # shape checks (heads divide width, even head dim)
-    for key in _POSITIVE.split():
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1")
-    if cfg.eval_tokens < cfg.seq_len:
-        raise ValueError(f"eval_tokens={cfg.eval_tokens} must be >= seq_len={cfg.seq_len}")
-    if cfg.warmup_steps < 0 or not 0 <= cfg.min_lr <= cfg.lr or not 0 <= cfg.dropout < 1:
-        raise ValueError("need warmup_steps >= 0, 0 <= min_lr <= lr and 0 <= dropout < 1")
-    if cfg.dtype not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"dtype={cfg.dtype!r}: use auto, bf16 or fp32")
-    if cfg.device != "auto":
-        try:
-            torch.device(cfg.device)
-        except RuntimeError as e:
-            raise ValueError(f"device={cfg.device!r}: {e}") from None
-
-
-def default_run_name(cfg: TrainConfig) -> str:
-    p = "" if cfg.attn_p is None else f"-p{cfg.attn_p:g}"
-    return f"{Path(cfg.preset).stem if cfg.preset else 'custom'}-{cfg.attn}{p}-s{cfg.seed}"
-
-
-def run_dir_for(cfg: TrainConfig) -> Path:
-    """Where :func:`train` puts the run of ``cfg``."""
-    return Path(cfg.out_dir) / (cfg.run_name or default_run_name(cfg))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
