@@ -210,8 +210,3 @@ def validate(cfg: TrainConfig) -> None:
 def default_run_name(cfg: TrainConfig) -> str:
     p = "" if cfg.attn_p is None else f"-p{cfg.attn_p:g}"
     return f"{Path(cfg.preset).stem if cfg.preset else 'custom'}-{cfg.attn}{p}-s{cfg.seed}"
-
-
-def run_dir_for(cfg: TrainConfig) -> Path:
-    """Where :func:`train` puts the run of ``cfg``."""
-    return Path(cfg.out_dir) / (cfg.run_name or default_run_name(cfg))
