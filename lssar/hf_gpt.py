@@ -23,8 +23,7 @@ from torch import Tensor
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lssar.model import GPT, GPTConfig, apply_rope, rope_cache
-from lssar.ops.registry import attention
+from lssar.model import GPT, GPTConfig, rope_cache
 
 MODEL_TYPE = "lssar-gpt"
 TOKENIZER_INFO = "lssar_tokenizer.json"
@@ -92,6 +91,16 @@ def _output(**fields: Any) -> CausalLMOutputWithPast:
     cache = fields.pop("cache")
     key = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     return CausalLMOutputWithPast(**fields, **{key: cache})
+
+
+class _CacheAdapter:
+    """A transformers cache seen through :class:`lssar.model.KVCache`'s ``update`` signature."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.update(k, v, layer)  # (B, H_kv, T_past + T, D) each
 
 
 class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
@@ -163,27 +172,11 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def _attend(
         self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None, cache: Any
     ) -> Tensor:
-        """Block ``layer``'s attention on ``x (B, T, C)`` as ``model.Attention.forward``, plus a
-        key padding mask ``(B, 1, 1, T_k)`` and an HF cache. Tested equal to ``GPT.forward``."""
+        """Block ``layer``'s attention on ``x (B, T, C)`` with a key padding mask
+        ``(B, 1, 1, T_k)`` (combined with causal, so N_i counts real keys) and an HF cache."""
         attn = self.gpt.blocks[layer].attn
-        b, t, c = x.shape
-        d, hq, hk = attn.head_dim, attn.n_head, attn.n_kv
-        q, k, v = attn.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
-        q = q.view(b, t, hq, d).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(b, t, hk, d).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.view(b, t, hk, d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v, layer)  # (B, H_kv, T_past + T, D)
-        name, options, impl = self.gpt.attn_spec
-        if name == "ssmax":
-            options = {**options, "s": attn.ssmax_s}
-        drop = attn.dropout if self.training else 0.0
-        # Causal (bottom-right, so the cache offset is right) AND key padding: N_i counts real keys.
-        y = attention(
-            q, k, v, key_mask, drop, True, None, hk != hq, variant=name, impl=impl, **options
-        )
-        return attn.proj(y.transpose(1, 2).reshape(b, t, c))
+        adapter = None if cache is None else _CacheAdapter(cache)
+        return attn(x, cos, sin, self.gpt.attn_spec, adapter, layer, attn_mask=key_mask)
 
     def forward(
         self,

@@ -115,8 +115,14 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         weights: list | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """``x (B, T, C)`` -> ``(B, T, C)``; appends ``(B, H, T, T_k)`` weights if asked."""
+        """``x (B, T, C)`` -> ``(B, T, C)``; appends ``(B, H, T, T_k)`` weights if asked.
+
+        ``cache`` is anything with ``update(layer, k, v) -> (k, v)`` (a :class:`KVCache`, or an
+        adapter over a transformers cache); ``attn_mask`` (bool, broadcastable to
+        ``(B, H, T, T_k)``, e.g. key padding) is combined with the causal mask.
+        """
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim],
@@ -136,7 +142,7 @@ class Attention(nn.Module):
             q,
             k,
             v,
-            None,
+            attn_mask,
             self.dropout if self.training else 0.0,
             True,
             None,
@@ -149,7 +155,14 @@ class Attention(nn.Module):
             with torch.no_grad():
                 weights.append(
                     attention_weights(
-                        q, k, None, True, None, gqa, variant=get_variant(name), options=options
+                        q,
+                        k,
+                        attn_mask,
+                        True,
+                        None,
+                        gqa,
+                        variant=get_variant(name),
+                        options=options,
                     )
                 )
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
