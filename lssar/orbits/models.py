@@ -27,9 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from lssar.model import GPT, Attention, GPTConfig, apply_rope
-from lssar.ops.reference import attention_weights
-from lssar.ops.registry import attention, get_variant
+from lssar.model import GPT, Attention, GPTConfig
 
 FORMATS = ("continuous", "discrete")
 
@@ -66,41 +64,14 @@ class WindowedAttention(Attention):
         cache: Any = None,
         layer: int = 0,
         weights: list | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         """``x (B, T, C)`` -> ``(B, T, C)``; no KV cache (the experiment never generates)."""
         if cache is not None:
             raise ValueError("WindowedAttention does not support a KV cache")
-        b, t, c = x.shape
-        hd = self.head_dim
-        q, k, v = self.qkv(x).split([self.n_head * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-        q = q.view(b, t, self.n_head, hd).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(b, t, self.n_kv, hd).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.view(b, t, self.n_kv, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        name, options, impl = spec
-        mask = sliding_window_mask(t, self.window, x.device)  # (T, T)
-        gqa = self.n_kv != self.n_head
-        y = attention(
-            q,
-            k,
-            v,
-            mask,
-            self.dropout if self.training else 0.0,
-            True,
-            None,
-            gqa,
-            variant=name,
-            impl=impl,
-            **options,
-        )
-        if weights is not None:
-            with torch.no_grad():
-                weights.append(
-                    attention_weights(
-                        q, k, mask, True, None, gqa, variant=get_variant(name), options=options
-                    )
-                )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        window = sliding_window_mask(x.shape[1], self.window, x.device)  # (T, T)
+        mask = window if attn_mask is None else window & attn_mask
+        return super().forward(x, cos, sin, spec, None, layer, weights, attn_mask=mask)
 
 
 @dataclass
