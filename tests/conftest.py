@@ -1,8 +1,20 @@
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 # The Triton kernels run in the interpreter without a GPU; triton.jit reads the variable when
 # triton is first imported (importing lssar imports it), so it is set before any test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models: intra-op threads buy nothing, and on a busy 2-core machine OpenMP's barriers
+    make two threads many times slower than one. Modules opt in with ``usefixtures``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -49,13 +49,7 @@ def _registered() -> None:
     hf.register()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only spin, and on a busy 2-core machine cost ~50x."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(family: str, attn: str, seed: int = 0, **extra) -> torch.nn.Module:

@@ -21,7 +21,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lssar.data import ByteTokenizer  # noqa: E402
 from lssar.lm_eval_tasks import LOCAL_TASKS, LssarLM, write_local_tasks  # noqa: E402
 from lssar.model import GPT, GPTConfig  # noqa: E402
-from tests.test_hf import make_tiny_run, one_thread  # noqa: E402, F401 (autouse fixture)
+from tests.test_hf import make_tiny_run  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = " ".join(
     f"Line {i}: the king speaks and the queen hears the night, fair is foul." for i in range(300)

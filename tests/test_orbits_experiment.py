@@ -28,8 +28,7 @@ ARMS = ["softmax", "lssar", "oracle"]
 
 
 @pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    torch.set_num_threads(1)
+def micro(tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("orbits")
     first = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
     return out, first
@@ -178,8 +177,7 @@ def test_arms_share_initial_weights_and_wide_window_is_exact():
         assert not torch.allclose(local(b), soft(b), atol=1e-4)
 
 
-def test_vafa_preset_discrete_smoke(tmp_path):
-    torch.set_num_threads(1)
+def test_vafa_preset_discrete_smoke(tmp_path, one_thread):
     over = {
         **MICRO,
         "data.n_systems": 60,
