@@ -58,6 +58,7 @@ class Preset:
     multiples: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     eval_tokens: int = 32768
     passkey: bool = False
+    passkey_trials: int = 10  # probes per (length, depth)
     budget: str = ""
 
 
@@ -74,10 +75,12 @@ PRESETS = {
         "every variant of the paper, 2 seeds, passkey and numerical health",
         "tiny-cpu",
         ALL_ARMS,
-        eval_reweight=[3.0, 15.0],
+        eval_reweight=[15.0],
         seeds=[0, 1],
+        eval_tokens=16384,
         passkey=True,
-        budget="~2 h on 2 CPU cores",
+        passkey_trials=6,
+        budget="~1 h on 2 CPU cores",
     ),
     "paper": Preset(
         "GPT-2 124M on FineWeb 10B tokens at T=1024 (the paper's setting): a GPU cluster job",
@@ -152,6 +155,7 @@ def reproduce(
                 multiples=preset.multiples,
                 eval_tokens=preset.eval_tokens,
                 passkey=preset.passkey,
+                passkey_trials=preset.passkey_trials,
                 progress=progress,
             )
             results.append(evaluate_run(run, **kw))
