@@ -13,8 +13,6 @@ implementation and a registered autograd formula), so ``torch.compile`` traces t
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -274,13 +272,9 @@ def chunked_attention(
         raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
     if enable_gqa:
         key, value = expand_kv(query, key, value)
-    d = query.shape[-1]
+    c, log_n = variant.softplus_scale(query.shape[-1], scale)
     if variant.qk_norm:
         query, key = F.normalize(query, dim=-1), F.normalize(key, dim=-1)
-    if variant.scaling == "log_n":
-        c, log_n = math.log(d), True
-    else:
-        c, log_n = (1.0 / math.sqrt(d) if scale is None else float(scale)), False
     p = options.get("p")
     return softplus_attention_op(
         query,

@@ -20,7 +20,7 @@ AUTO_CHUNK_MIN_SCORES = 128 * 128
 
 
 def _softplus_l1(v: Variant, opts: dict[str, Any]) -> bool:
-    return v.phi == "softplus" and v.l1 and v.scaling in ("sdpa", "log_n")
+    return v.softplus_l1
 
 
 def _softmax_family(v: Variant, opts: dict[str, Any]) -> bool:

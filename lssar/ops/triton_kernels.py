@@ -47,7 +47,6 @@ defects are worked around only when interpreting: bf16 ``tl.dot`` (wrong: operan
 and fp32 -> bf16 stores (truncated: torch rounds the output instead).
 """
 
-import math
 from typing import Any
 
 import torch
@@ -939,7 +938,7 @@ def triton_attention(
     """
     if dropout_p > 0:
         raise ValueError("impl='triton' has no dropout; use impl='reference' for dropout_p > 0")
-    if not (variant.phi == "softplus" and variant.l1 and variant.scaling in ("sdpa", "log_n")):
+    if not variant.softplus_l1:
         raise ValueError(f"impl='triton' runs the softplus-l1 variants, not {variant.name!r}")
     check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if query.dtype == torch.float64:
@@ -957,10 +956,7 @@ def triton_attention(
     d, dv = query.shape[-1], value.shape[-1]
     if max(d, dv) > MAX_HEAD_DIM:
         raise ValueError(f"impl='triton' supports head dims up to {MAX_HEAD_DIM}, got {d}, {dv}")
-    if variant.scaling == "log_n":
-        c, log_n = math.log(d), True
-    else:
-        c, log_n = (1.0 / math.sqrt(d) if scale is None else float(scale)), False
+    c, log_n = variant.softplus_scale(d, scale)
     p = options.get("p")
     out, _ = triton_softplus_attention_op(
         query,
@@ -978,7 +974,7 @@ def triton_attention(
 
 
 def _supports(variant: Variant, options: dict[str, Any]) -> bool:
-    return variant.phi == "softplus" and variant.l1 and variant.scaling in ("sdpa", "log_n")
+    return variant.softplus_l1
 
 
 register_impl(

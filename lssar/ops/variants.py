@@ -36,6 +36,17 @@ class Variant:
     divide_by_n: bool = False
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def softplus_l1(self) -> bool:
+        """The family the fused kernels run: softplus, l1-normalised, a row scale ``c_i``."""
+        return self.phi == "softplus" and self.l1 and self.scaling in ("sdpa", "log_n")
+
+    def softplus_scale(self, d: int, scale: float | None) -> tuple[float, bool]:
+        """``(c, log_n)`` for the fused kernels: ``c_i = c ln(N_i)`` if ``log_n`` else ``c``."""
+        if self.scaling == "log_n":
+            return math.log(d), True
+        return (1.0 / math.sqrt(d) if scale is None else float(scale)), False
+
     def resolve(self, options: dict[str, Any]) -> dict[str, Any]:
         """Defaults overlaid with ``options``; raises ``ValueError`` for unknown or bad values."""
         unknown = sorted(set(options) - set(self.options))
