@@ -182,8 +182,18 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, spec, cache, layer, weights) -> Tensor:
-        x = x + self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights)
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        spec,
+        cache=None,
+        layer: int = 0,
+        weights: list | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights, attn_mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -227,14 +237,25 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def body(
-        self, h: Tensor, pos: int = 0, cache: KVCache | None = None, weights: list | None = None
+        self,
+        h: Tensor,
+        pos: int = 0,
+        cache: KVCache | None = None,
+        weights: list | None = None,
+        attn_mask: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
-        """Run the blocks on embeddings ``h (B, T, C)`` at absolute positions ``pos..pos+T``."""
-        positions = torch.arange(pos, pos + h.shape[1], device=h.device)
+        """Run the blocks on embeddings ``h (B, T, C)`` at absolute positions ``pos..pos+T``.
+
+        ``positions (T,)`` overrides the RoPE positions; ``attn_mask`` (bool, broadcastable to
+        ``(B, H, T, T_k)``, True = may attend) is combined with the causal mask in every layer.
+        """
+        if positions is None:
+            positions = torch.arange(pos, pos + h.shape[1], device=h.device)
         cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, positions, self.cfg.rope_base)
         h = self.drop(h)
         for i, block in enumerate(self.blocks):
-            h = block(h, cos, sin, self.attn_spec, cache, i, weights)
+            h = block(h, cos, sin, self.attn_spec, cache, i, weights, attn_mask)
         return self.ln_f(h)
 
     def forward(
@@ -244,12 +265,15 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         weights: list | None = None,
         reduction: str = "mean",
+        attn_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``idx (B, T)`` token ids -> ``(logits (B, T, V), loss or None)``.
 
         With a ``cache`` the tokens continue the cached sequence (positions start at its length).
         ``weights``, if a list, receives each layer's attention weights ``(B, H, T, T_k)``.
-        ``reduction="none"`` returns the per-token loss ``(B, T)``.
+        ``reduction="none"`` returns the per-token loss ``(B, T)``. ``attn_mask`` (bool,
+        broadcastable to ``(B, H, T, T_k)``, True = may attend: key padding, a sliding window) is
+        combined with the causal mask in every layer.
         """
         if idx.min() < 0 or idx.max() >= self.cfg.vocab_size:
             raise ValueError(
@@ -257,7 +281,7 @@ class GPT(nn.Module):
                 f"[{int(idx.min())}, {int(idx.max())}]"
             )
         pos = cache.length if cache is not None else 0
-        h = self.body(self.wte(idx), pos, cache, weights)
+        h = self.body(self.wte(idx), pos, cache, weights, attn_mask)
         logits = self.head(h)
         loss = None
         if targets is not None:

@@ -88,3 +88,28 @@ def test_bad_config(kw, match):
 def test_token_ids_out_of_range():
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\)"):
         _model("softmax")(torch.tensor([[3, 64]]))
+
+
+def _window(t: int, w: int) -> torch.Tensor:
+    i = torch.arange(t)
+    return i[None, :] > i[:, None] - w  # (T, T): key j within w of query i (causal added)
+
+
+@pytest.mark.parametrize("attn", ["softmax", "lssar"])
+def test_attn_mask_reaches_every_layer(attn):
+    """All-True changes nothing; with a window of w keys in each of 2 layers the last query sees
+    exactly the last 2(w-1)+1 tokens (RoPE: only relative positions matter)."""
+    model = _model(attn)
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
+    t, w = idx.shape[1], 6
+    reach = 2 * (w - 1) + 1
+    with torch.no_grad():
+        full, _ = model(idx)
+        same, _ = model(idx, attn_mask=torch.ones(t, t, dtype=torch.bool))
+        windowed, _ = model(idx, attn_mask=_window(t, w))
+        tail, _ = model(idx[:, -reach:], attn_mask=_window(reach, w))
+        short, _ = model(idx[:, -reach + 1 :], attn_mask=_window(reach - 1, w))
+    torch.testing.assert_close(same, full)
+    torch.testing.assert_close(windowed[:, -1], tail[:, -1])
+    assert not torch.allclose(windowed[:, -1], short[:, -1])  # one token less is seen
+    assert not torch.allclose(windowed[:, -1], full[:, -1])
