@@ -1,0 +1,16 @@
+"""The associative-recall length-extrapolation study (``lssar recall``).
+
+``task``: the seeded generator; ``study``: arms, presets, training, evaluation, caching;
+``report``: REPORT.md and plots from the tidy rows. ``lssar.stats`` holds the intervals/verdicts.
+"""
+
+from lssar.recall.task import RecallTask
+
+
+def cli(argv: list[str]) -> int:
+    from lssar.recall.study import cli as _cli
+
+    return _cli(argv)
+
+
+__all__ = ["RecallTask", "cli"]
