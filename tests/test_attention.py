@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import lssar
 from lssar.ops.reference import attention_weights
 from lssar.ops.variants import VARIANTS
+from tests.accuracy import assert_within_rule, err, rounding_sensitivity
 
 FAST = [  # (impl, variant, options)
     ("chunked", "lssa", {}),
@@ -56,8 +57,7 @@ def _run(q, k, v, grad, **kw):
     return [out, *torch.autograd.grad(out, (q, k, v), grad)]
 
 
-def _err(a, b):
-    return (a.double() - b.double()).abs().max().item()
+_err = err
 
 
 @pytest.mark.parametrize("impl,variant,opts", FAST)
@@ -70,18 +70,40 @@ def test_fast_path_matches_float64_reference(impl, variant, opts, shape, mask_ki
     q64, k64, v64 = _inputs(shape, torch.float64)
     grad = torch.randn(shape[0], shape[1], shape[3], shape[5], dtype=torch.float64)
     golden = _run(q64, k64, v64, grad, impl="reference", **kw, **opts)
+    sens = rounding_sensitivity(
+        lambda q, k, v: _run(q, k, v, grad, impl="reference", **kw, **opts),
+        (q64, k64, v64),
+        golden,
+        torch.float32,
+    )
     q, k, v = _inputs(shape, torch.float32)
     ref = _run(q, k, v, grad.float(), impl="reference", **kw, **opts)
     fast = _run(q, k, v, grad.float(), impl=impl, **kw, **opts)
-    for i, (f, r, g) in enumerate(zip(fast, ref, golden)):
-        factor = 2.0 if i == 0 else 3.0
-        scale = g.abs().max().item() + 1.0
-        assert torch.isfinite(f).all()
-        assert _err(f, g) <= factor * _err(r, g) + 2e-6 * scale, (i, _err(f, g), _err(r, g))
+    assert_within_rule(fast, ref, golden, sens)
     # and the fast path in float64 agrees with the reference to rounding
     fast64 = _run(q64, k64, v64, grad, impl=impl, **kw, **opts)
     for f, g in zip(fast64, golden):
         assert _err(f, g) < 1e-10 * (g.abs().max().item() + 1.0)
+
+
+@pytest.mark.parametrize("impl,variant", [("chunked", "lssar"), ("chunked", "lssa")])
+def test_fast_path_not_systematically_less_accurate(impl, variant):
+    """On a row whose top two re-weighted keys nearly tie, either fp32 computation's gradient error
+    is a random draw of the same size; the grid above holds fixed seeds. Over many draws the fast
+    path's error must be the reference's in the median (measured: 1.0-1.1x), not a multiple."""
+    shape = (2, 2, 2, 7, 7, 64)
+    kw = dict(is_causal=False, variant=variant)
+    ratios = [[] for _ in range(4)]
+    for seed in range(40):
+        grad = torch.randn(2, 2, 7, 64, generator=torch.Generator().manual_seed(seed))
+        golden = _run(*_inputs(shape, torch.float64, seed), grad.double(), impl="reference", **kw)
+        q, k, v = _inputs(shape, torch.float32, seed)
+        ref = _run(q, k, v, grad, impl="reference", **kw)
+        fast = _run(q, k, v, grad, impl=impl, **kw)
+        for i in range(4):
+            ratios[i].append(_err(fast[i], golden[i]) / max(_err(ref[i], golden[i]), 1e-30))
+    medians = [torch.tensor(r).median().item() for r in ratios]
+    assert max(medians) < 1.6, medians
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
