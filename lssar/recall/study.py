@@ -1,0 +1,435 @@
+"""Arms, presets, training, evaluation and the tidy rows of the recall study.
+
+Every trained arm shares the task, model size, steps, learning-rate schedule and the training
+batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only the attention
+differs. Every arm is scored on the same evaluation sequences. Training is fp32 (the CPUs this
+runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config hash>/``: ``ckpt.pt``
+(atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` + ``done.json`` once finished,
+and one ``eval-*.json`` per evaluation rule; finished runs and evaluations are reused, unfinished
+runs resume from their checkpoint, and a changed setting gets a new hash (never a stale reuse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lssar.model import GPT, GPTConfig
+from lssar.recall.task import IGNORE, RecallTask
+from lssar.runio import atomic_write, environment
+
+EVAL_SEED = 1_000_003  # evaluation sequences: task.batch((EVAL_SEED, multiple, chunk), ...)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A trained model (``train_attn``/``train_p``, optional sliding window of ``train_len``)
+    and the eval-only re-weighting sweep applied to it (``eval_ps``: lssar with that p)."""
+
+    name: str
+    train_attn: str
+    train_p: float | None = None
+    window: bool = False
+    eval_ps: tuple[float, ...] = ()
+
+
+EVAL_PS = (1.0, 2.0, 3.0, 5.0, 8.0, 15.0)
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in [
+        Arm("softmax", "softmax"),
+        Arm("softmax-qknorm-logn", "softmax-qknorm-logn"),
+        Arm("ssmax", "ssmax"),
+        Arm("lssa", "lssa", eval_ps=EVAL_PS),
+        Arm("lssar p=15", "lssar", 15.0),
+        Arm("lssar p=3", "lssar", 3.0),
+        Arm("window", "softmax", window=True),
+    ]
+}
+
+
+def eval_label(arm: Arm, p: float | None) -> str:
+    """Row label: the arm, or ``lssa -> lssar p=X (eval)`` for an eval-only re-weighting."""
+    return arm.name if p is None else f"{arm.name} -> lssar p={p:g} (eval)"
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Everything a study depends on (the task, the model, the optimisation, the evaluation)."""
+
+    task: RecallTask = field(default_factory=RecallTask)
+    arms: tuple[str, ...] = ("softmax", "lssa", "lssar p=15", "window")
+    seeds: tuple[int, ...] = (0,)
+    multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    eval_seqs: int = 100  # per length: >= 200 queries per bucket when n_queries = 4
+    eval_batch: int = 20
+    eval_ps: tuple[float, ...] | None = None  # None = each arm's own sweep
+    ckpt_every: int = 100
+
+    def __post_init__(self) -> None:
+        for a in self.arms:
+            if a not in ARMS:
+                raise ValueError(f"unknown arm {a!r}; arms: {', '.join(ARMS)}")
+        if not self.arms:
+            raise ValueError("arms: need at least one arm")
+        if not self.seeds:
+            raise ValueError("seeds: need at least one seed")
+        for m in self.multiples:
+            if not isinstance(m, int) or m < 1:
+                raise ValueError(f"multiples: {m!r} is not a positive integer")
+        for name in ("n_layer", "n_head", "n_embd", "steps", "batch_size", "eval_seqs",
+                     "eval_batch", "ckpt_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be positive")
+
+    def train_dict(self) -> dict[str, Any]:
+        """The settings a trained model depends on (hashed into the run name)."""
+        d = dataclasses.asdict(self)
+        for k in ("arms", "seeds", "multiples", "eval_seqs", "eval_batch", "eval_ps", "ckpt_every"):
+            d.pop(k)
+        return d
+
+
+@dataclass(frozen=True)
+class Preset:
+    description: str
+    config: StudyConfig
+    budget: str
+
+
+PRESETS = {
+    "quick": Preset(
+        "softmax, lssa (+ eval-time re-weighting sweep), lssar p=15 and the window control; 1 seed",
+        StudyConfig(),
+        "<= 10 min on 2 CPU cores",
+    ),
+    "cpu": Preset(
+        "every arm, 3 seeds",
+        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2)),
+        "<= 75 min on 2 CPU cores",
+    ),
+}
+
+
+def preset_config(name: str, **overrides: Any) -> StudyConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name].config, **overrides)
+
+
+# ------------------------------------------------------------------------------- training
+
+
+def _slug(s: str) -> str:
+    return s.replace(" ", "").replace("=", "").replace(">", "").replace("(", "").replace(")", "")
+
+
+def run_dir(runs: Path, cfg: StudyConfig, arm: Arm, seed: int) -> Path:
+    d = cfg.train_dict() | {"attn": arm.train_attn, "p": arm.train_p, "window": arm.window}
+    h = hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return runs / f"{_slug(arm.name)}-s{seed}-{h}"
+
+
+def window_mask(length: int, window: int) -> torch.Tensor:
+    """``(T, T)`` bool, True where key j is at most ``window - 1`` tokens before query i."""
+    i = torch.arange(length)
+    return (i[:, None] - i[None, :]) < window
+
+
+def build_model(cfg: StudyConfig, arm: Arm) -> GPT:
+    opts = {} if arm.train_p is None else {"p": arm.train_p}
+    return GPT(
+        GPTConfig(
+            vocab_size=cfg.task.vocab_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            attn=arm.train_attn,
+            attn_options=opts,
+        )
+    )
+
+
+def _lr(cfg: StudyConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _save(path: Path, obj: Any) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def train_arm(
+    cfg: StudyConfig,
+    arm: Arm,
+    seed: int,
+    runs: Path,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> tuple[GPT, dict[str, Any]]:
+    """Train (or reuse, or resume) one arm/seed; returns the model and its ``done.json``.
+
+    ``stop_after`` stops (with a checkpoint) after that many steps of this call: for tests of
+    resume, and to spread a long preset over several invocations.
+    """
+    rd = run_dir(runs, cfg, arm, seed)
+    model = build_model(cfg, arm)
+    if (rd / "done.json").exists() and (rd / "model.pt").exists():
+        model.load_state_dict(torch.load(rd / "model.pt", weights_only=True))
+        return model.eval(), json.loads((rd / "done.json").read_text())
+    torch.manual_seed(seed)
+    model = build_model(cfg, arm)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
+    start, log, elapsed = 0, [], 0.0
+    if (rd / "ckpt.pt").exists():
+        ck = torch.load(rd / "ckpt.pt", weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        start, log, elapsed = ck["step"], ck["log"], ck["elapsed"]
+    L = cfg.task.train_len
+    mask = window_mask(L, L) if arm.window else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"{arm.name} s{seed}", leave=False)
+    t0, done_here, acc_sum, loss_sum, n = time.time(), 0, 0.0, 0.0, 0
+    model.train()
+    for step in range(start, cfg.steps):
+        b = cfg.task.batch((seed, step), L, cfg.batch_size)
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, step)
+        logits, _ = model(b["tokens"], attn_mask=mask)
+        tgt = b["targets"]
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            sel = tgt != IGNORE
+            acc_sum += (logits.argmax(-1)[sel] == tgt[sel]).float().mean().item()
+            loss_sum += loss.item()
+            n += 1
+        if (step + 1) % 50 == 0 or step + 1 == cfg.steps:
+            log.append({"step": step + 1, "loss": loss_sum / n, "acc": acc_sum / n})
+            acc_sum = loss_sum = 0.0
+            n = 0
+            if bar is not None:
+                bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc=f"{log[-1]['acc']:.2f}")
+        if bar is not None:
+            bar.update(1)
+        done_here += 1
+        last = step + 1 == cfg.steps
+        stop = stop_after is not None and done_here >= stop_after and not last
+        if (step + 1) % cfg.ckpt_every == 0 or stop:
+            _save(
+                rd / "ckpt.pt",
+                {
+                    "model": model.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step + 1,
+                    "log": log,
+                    "elapsed": elapsed + time.time() - t0,
+                },
+            )
+        if stop:
+            if bar is not None:
+                bar.close()
+            return model.eval(), {"finished": False, "step": step + 1}
+    if bar is not None:
+        bar.close()
+    _save(rd / "model.pt", model.state_dict())
+    done = {
+        "finished": True,
+        "arm": arm.name,
+        "seed": seed,
+        "steps": cfg.steps,
+        "train_seconds": elapsed + time.time() - t0,
+        "log": log,
+        "config": cfg.train_dict() | {"attn": arm.train_attn, "p": arm.train_p},
+        "env": environment("cpu"),
+    }
+    atomic_write(rd / "done.json", json.dumps(done, indent=1, default=str))
+    (rd / "ckpt.pt").unlink(missing_ok=True)
+    return model.eval(), done
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate_arm(
+    model: GPT, cfg: StudyConfig, arm: Arm, p: float | None, rd: Path
+) -> dict[str, dict[str, list[int]]]:
+    """Per length multiple: ``correct`` (0/1) and ``distance`` of every scored query; cached in
+    ``rd/eval-<rule>.json``. ``p`` set = evaluate with lssar at that p (eval-only re-weighting)."""
+    path = rd / f"eval-{'trained' if p is None else f'lssar-p{p:g}'}-{cfg.eval_seqs}.json"
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    if p is None:
+        model.set_attention(arm.train_attn, {} if arm.train_p is None else {"p": arm.train_p})
+    else:
+        model.set_attention("lssar", {"p": p})
+    model.eval()
+    L = cfg.task.train_len
+    changed = False
+    for m in cfg.multiples:
+        if str(m) in cached:
+            continue
+        T = m * L
+        mask = window_mask(T, L) if arm.window else None
+        correct, dist = [], []
+        for c in range(0, cfg.eval_seqs, cfg.eval_batch):
+            size = min(cfg.eval_batch, cfg.eval_seqs - c)
+            b = cfg.task.batch((EVAL_SEED, m, c), T, size)
+            logits, _ = model(b["tokens"], attn_mask=mask)
+            qp = b["query_pos"]
+            pred = logits.gather(1, qp[..., None].expand(-1, -1, logits.shape[-1])).argmax(-1)
+            correct += (pred == b["answer"]).flatten().int().tolist()
+            dist += b["distance"].flatten().tolist()
+        cached[str(m)] = {"correct": correct, "distance": dist}
+        changed = True
+    if changed:
+        atomic_write(path, json.dumps(cached))
+    model.set_attention(arm.train_attn, {} if arm.train_p is None else {"p": arm.train_p})
+    return cached
+
+
+def tidy_rows(
+    arm: Arm, p: float | None, seed: int, ev: dict[str, dict[str, list[int]]], train_len: int
+) -> list[dict[str, Any]]:
+    """One row per (length multiple, distance bucket); empty buckets are left out."""
+    rows = []
+    for m, d in sorted(ev.items(), key=lambda kv: int(kv[0])):
+        correct, dist = d["correct"], d["distance"]
+        buckets = {
+            "all": correct,
+            "within": [c for c, x in zip(correct, dist) if x < train_len],
+            "beyond": [c for c, x in zip(correct, dist) if x >= train_len],
+        }
+        for name, cs in buckets.items():
+            if not cs:
+                continue
+            rows.append(
+                {
+                    "arm": eval_label(arm, p),
+                    "train_attn": arm.train_attn + (f" p={arm.train_p:g}" if arm.train_p else "")
+                    + (" window" if arm.window else ""),
+                    "eval_attn": arm.train_attn if p is None else "lssar",
+                    "eval_p": arm.train_p if p is None else p,
+                    "seed": seed,
+                    "length_multiple": int(m),
+                    "distance": name,
+                    "accuracy": sum(cs) / len(cs),
+                    "queries": len(cs),
+                }
+            )
+    return rows
+
+
+def run_study(
+    cfg: StudyConfig,
+    out: str | Path,
+    runs: str | Path,
+    progress: bool = True,
+    name: str = "custom",
+    attention_maps: bool = True,
+) -> Path:
+    """Train/reuse every (arm, seed), evaluate, write ``results.json``, REPORT.md and plots."""
+    from lssar.recall.report import write_report
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    out, runs = Path(out), Path(runs)
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    models: dict[str, tuple[GPT, Arm]] = {}
+    train_info = []
+    for seed in cfg.seeds:
+        for arm_name in cfg.arms:
+            arm = ARMS[arm_name]
+            print(f"== {arm.name} (seed {seed})", flush=True)
+            model, done = train_arm(cfg, arm, seed, runs, progress)
+            rd = run_dir(runs, cfg, arm, seed)
+            train_info.append(
+                {"arm": arm.name, "seed": seed, "run": str(rd),
+                 "train_seconds": done.get("train_seconds"),
+                 "final_train_acc": (done.get("log") or [{}])[-1].get("acc")}
+            )
+            ps = [None] + list(arm.eval_ps if cfg.eval_ps is None else
+                               (cfg.eval_ps if arm.eval_ps else ()))
+            for p in ps:
+                ev = evaluate_arm(model, cfg, arm, p, rd)
+                rows += tidy_rows(arm, p, seed, ev, cfg.task.train_len)
+            if seed == cfg.seeds[0]:
+                models[arm.name] = (model, arm)
+    meta = {
+        "preset": name,
+        "config": dataclasses.asdict(cfg),
+        "runs": train_info,
+        "seconds": time.time() - started,
+        "date": dt.date.today().isoformat(),
+        "env": environment("cpu"),
+    }
+    write_report(rows, meta, out, models if attention_maps else None, cfg)
+    return out
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="lssar recall",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--preset", default="quick", help=", ".join(f"{k} ({v.budget})" for k, v in PRESETS.items())
+    )
+    ap.add_argument("--out", help="report directory (default reports/recall-PRESET-DATE)")
+    ap.add_argument("--runs", help="run directories (default runs/recall)")
+    ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(ARMS)}")
+    ap.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    over: dict[str, Any] = {}
+    if args.arms:
+        over["arms"] = tuple(a.strip() for a in args.arms.split(","))
+    if args.seeds:
+        try:
+            over["seeds"] = tuple(int(s) for s in args.seeds.split(","))
+        except ValueError:
+            raise ValueError(f"--seeds {args.seeds!r}: expected integers like 0,1,2") from None
+    cfg = preset_config(args.preset, **over)
+    out = Path(args.out or f"reports/recall-{args.preset}-{dt.date.today().isoformat()}")
+    run_study(cfg, out, Path(args.runs or "runs/recall"), not args.no_progress, args.preset)
+    print((out / "REPORT.md").read_text())
+    print(f"report: {out / 'REPORT.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
