@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "orbits": ("lssar.orbits.experiment:cli", "the orbital world-model experiment"),
     "lm-eval": ("lssar.hf:lm_eval_cli", "lm-evaluation-harness on a run's checkpoint"),
     "export-hf": ("lssar.hf:export_cli", "save a run as a transformers model directory"),
+    "recall": ("lssar.recall:cli", "associative-recall length study: lssar recall --preset quick"),
 }
 
 

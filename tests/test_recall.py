@@ -75,3 +75,91 @@ def test_bad_length():
         TASK.batch(0, 0, 2)
     with pytest.raises(ValueError, match="too short"):
         TASK.batch(0, TASK.min_length() - 1, 2)
+
+
+# ----------------------------------------------------------------------------- the study
+
+from lssar.recall.study import (  # noqa: E402
+    ARMS,
+    StudyConfig,
+    preset_config,
+    run_dir,
+    run_study,
+    train_arm,
+)
+
+TINY_TASK = RecallTask(train_len=24, n_pairs=2, n_queries=2, n_keys=8, n_values=8, n_filler=4)
+
+
+def tiny(**kw) -> StudyConfig:
+    base = dict(
+        task=TINY_TASK, arms=("softmax", "lssa"), seeds=(0,), multiples=(1, 2), n_layer=1,
+        n_head=2, n_embd=16, steps=6, batch_size=4, warmup=2, eval_seqs=6, eval_batch=3,
+        eval_ps=(15.0,), ckpt_every=2,
+    )  # fmt: skip
+    return StudyConfig(**(base | kw))
+
+
+def test_bad_study_input():
+    with pytest.raises(ValueError, match="arm"):
+        tiny(arms=("softmax", "nope"))
+    with pytest.raises(ValueError, match="preset"):
+        preset_config("huge")
+    with pytest.raises(ValueError, match="multiples"):
+        tiny(multiples=(1, 0))
+    with pytest.raises(ValueError, match="steps"):
+        tiny(steps=0)
+    from lssar.cli import main
+
+    assert main(["recall", "--preset", "nope"]) == 2
+
+
+def test_presets_wired():
+    assert set(preset_config("cpu").arms) == set(ARMS) and len(preset_config("cpu").seeds) >= 3
+    q = preset_config("quick")
+    assert {"softmax", "lssa", "window"} <= set(q.arms) and len(q.seeds) == 1
+
+
+def test_end_to_end_rows_and_report(tmp_path):
+    cfg = tiny()
+    out = run_study(cfg, tmp_path / "rep", tmp_path / "runs", progress=False, name="test")
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
+    keys = {"arm", "train_attn", "eval_attn", "eval_p", "seed", "length_multiple", "distance",
+            "accuracy", "queries"}  # fmt: skip
+    assert rows and all(set(r) == keys for r in rows)
+    arms = {r["arm"] for r in rows}
+    assert arms == {"softmax", "lssa", "lssa -> lssar p=15 (eval)"}
+    for r in rows:
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["queries"] > 0
+    by = {(r["arm"], r["length_multiple"], r["distance"]): r for r in rows}
+    assert by[("softmax", 1, "all")]["queries"] == 6 * 2  # eval_seqs * n_queries
+    assert ("softmax", 1, "beyond") not in by  # nothing is beyond L at 1x
+    assert by[("softmax", 2, "within")]["queries"] == by[("softmax", 2, "beyond")]["queries"] == 6
+    assert by[("lssa -> lssar p=15 (eval)", 2, "all")]["eval_attn"] == "lssar"
+    rep = (out / "REPORT.md").read_text()
+    assert "## Accuracy by length" in rep and "One seed: no confidence intervals" in rep
+    assert "**supported: " not in rep  # one seed: nothing supported
+    for png in ("accuracy_vs_length.png", "distance_split.png", "attention_maps.png"):
+        assert (out / png).stat().st_size > 1000
+    # a second invocation reuses the finished runs (no retraining)
+    rd = run_dir(tmp_path / "runs", cfg, ARMS["softmax"], 0)
+    before = (rd / "model.pt").stat().st_mtime_ns
+    run_study(cfg, tmp_path / "rep2", tmp_path / "runs", progress=False, attention_maps=False)
+    assert (rd / "model.pt").stat().st_mtime_ns == before
+    rows2 = json.loads((tmp_path / "rep2" / "results.json").read_text())["rows"]
+    assert rows2 == rows
+
+
+def test_resume_matches_uninterrupted(tmp_path):
+    cfg = tiny(arms=("window",))
+    arm = ARMS["window"]
+    full, _ = train_arm(cfg, arm, 0, tmp_path / "a", progress=False)
+    _, info = train_arm(cfg, arm, 0, tmp_path / "b", progress=False, stop_after=3)
+    rd = run_dir(tmp_path / "b", cfg, arm, 0)
+    assert info == {"finished": False, "step": 3}
+    assert (rd / "ckpt.pt").exists() and not (rd / "done.json").exists()
+    resumed, done = train_arm(cfg, arm, 0, tmp_path / "b", progress=False)
+    assert done["finished"] and done["steps"] == 6 and not (rd / "ckpt.pt").exists()
+    for (n, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), n
