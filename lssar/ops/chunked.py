@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lssar.ops.common import causal_mask, expand_kv, uniform_tolerance
+from lssar.ops.common import (
+    as_4d,
+    causal_mask,
+    count_visible,
+    expand_kv,
+    log_phi,
+    uniform_tolerance,
+    unit,
+)
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
 
@@ -55,8 +63,9 @@ def _block_mask(
     m = None
     if is_causal and offset + i0 < k_end - 1:  # some key in range is in the future of some row
         m = causal_mask(i1 - i0, k_end, device, q_start=offset + i0)
-    if mask is not None:
-        mb = mask[..., i0:i1, :k_end]
+    if mask is not None:  # a size-1 (broadcast) query or key axis is kept whole
+        mb = mask[..., i0:i1, :] if mask.shape[-2] > 1 else mask
+        mb = mb[..., :k_end] if mb.shape[-1] > 1 else mb
         m = mb if m is None else (mb & m)
     return m
 
@@ -76,7 +85,7 @@ def _counts(
     if m is None or (is_causal and m.dim() == 2):
         n = torch.arange(i0, i1, device=device, dtype=torch.float32) + offset + 1
         return n.clamp(0, k_end).reshape(1, 1, -1, 1)
-    return m.sum(-1, keepdim=True, dtype=torch.float32)
+    return count_visible(m, k_end)
 
 
 def _weights(
@@ -91,11 +100,21 @@ def _weights(
     s = qc @ k.transpose(-1, -2)  # (B, H, rows, T_k)
     a = F.softplus(s)
     if m is not None:
-        a = a * m
+        a = torch.where(m, a, 0.0)  # select, never multiply: masked inf/nan must not leak
     z = a.sum(-1, keepdim=True)
+    shift = None
+    if bool(((z == 0) & (n > 0)).any()):  # rare: every visible softplus underflowed (s < -104)
+        # the same row relative to its largest weight, a_ij / phi(max_j s_ij): cannot underflow
+        ls = log_phi(s, "softplus")
+        if m is not None:
+            ls = torch.where(m, ls, float("-inf"))
+        shift = ls.amax(-1, keepdim=True)
+        shift = torch.where((z == 0) & torch.isfinite(shift), shift, 0.0)
+        a = torch.where(z == 0, torch.exp(ls - shift), a)
+        z = a.sum(-1, keepdim=True)
     z = torch.where(z > 0, z, torch.ones_like(z))  # fully masked rows: a = 0, any z works
     if p is None:
-        return s, a, z, None
+        return s, a, z, (shift,)
     big = n > 3  # O_i = 1
     mu = torch.where(big, z / n.clamp_min(1.0), torch.zeros_like(z))
     x = F.relu(a - mu)  # masked entries: 0 - mu <= 0
@@ -116,7 +135,7 @@ def _weights(
     if not bool(has.all()):  # rare: rows of equal weights fall back to LSSA
         w = torch.where(has, w, a)
         w_sum = torch.where(has, w_sum, z)
-    return s, w, w_sum, (big, has, x_max, r_pm1)
+    return s, w, w_sum, (shift, big, has, x_max, r_pm1)
 
 
 def _row_scale(n: Tensor, scale: float, log_n: bool) -> Tensor:
@@ -139,8 +158,7 @@ def _blocks(
     ``0:k_end``, their visibility ``m`` (None = all visible), counts ``N_i`` and row scales."""
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
-    if mask is not None:
-        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    mask = as_4d(mask)
     offset = t_k - t_q
     rows = _block_rows(B * H, t_k, block)
     for i0 in range(0, t_q, rows):
@@ -174,12 +192,12 @@ def softplus_attention_op(
         qc = qf[:, :, i0:i1] * c
         _, num, den, _ = _weights(qc, kf[:, :, :k_end], m, n, p)
         out[:, :, i0:i1] = (num @ vf[:, :, :k_end]) / den
-    return out.to(q.dtype)
+    return out.to(v.dtype)  # q, k may arrive upcast (normalised in float32); v has the input's
 
 
 @softplus_attention_op.register_fake
 def _(q, k, v, mask, is_causal, scale, log_n, p, block):
-    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+    return v.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
 @torch.library.custom_op("lssar::softplus_attention_backward", mutates_args=())
@@ -210,19 +228,21 @@ def softplus_attention_backward_op(
         # D_i = sum_j P_ij dP_ij from the same slab (not g_i.out_i): exact cancellation for
         # one-key rows, where dP - D would otherwise be pure rounding amplified by p / x_max
         centred = dp - (num * dp).sum(-1, keepdim=True) / den  # (dP - D) / den
-        if stats is None:
+        shift = stats[0]
+        if p is None:
             da = centred  # (dP - D) / Z
         else:
-            big, has, x_max, r_pm1 = stats
+            _, big, has, x_max, r_pm1 = stats
             # dx = p P (dP - D) / x = p r^(p-1) (dP - D) / (sum_w x_max): no division by x
             dx = r_pm1 * centred * (p / x_max)
             f = dx.sum(-1, keepdim=True)
             da = dx - torch.where(big, f / n.clamp_min(1.0), torch.zeros_like(f))
             if not bool(has.all()):
                 da = torch.where(has, da, centred)
-        ds = da * torch.sigmoid(s)
+        # d softplus / ds, relative like the weights on rows that underflowed (shift != 0)
+        ds = da * (torch.sigmoid(s) if shift is None else torch.exp(F.logsigmoid(s) - shift))
         if m is not None:
-            ds = ds * m
+            ds = torch.where(m, ds, 0.0)
         dv[:, :, :k_end] += num.transpose(-1, -2) @ g_den
         dq[:, :, i0:i1] = (ds @ kb) * c
         dk[:, :, :k_end] += ds.transpose(-1, -2) @ qc
@@ -249,6 +269,18 @@ def _backward(ctx, grad):
 softplus_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "impl='chunked' has no double backward (its backward is a closed-form kernel); for "
+        "second-order gradients call lssar.attention(..., impl='reference')"
+    )
+
+
+softplus_attention_backward_op.register_autograd(
+    _no_double_backward, setup_context=lambda ctx, inputs, output: None
+)
+
+
 def chunked_attention(
     query: Tensor,
     key: Tensor,
@@ -273,8 +305,8 @@ def chunked_attention(
     if enable_gqa:
         key, value = expand_kv(query, key, value)
     c, log_n = variant.softplus_scale(query.shape[-1], scale)
-    if variant.qk_norm:
-        query, key = F.normalize(query, dim=-1), F.normalize(key, dim=-1)
+    if variant.qk_norm:  # in float32 for half inputs, robust at every scale
+        query, key = unit(query), unit(key)
     p = options.get("p")
     return softplus_attention_op(
         query,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -57,6 +58,10 @@ def check_inputs(
         raise ValueError(f"batch sizes differ: query {bq}, key {bk}, value {bv}")
     if dq != dk:
         raise ValueError(f"query and key head dims differ: {dq} vs {dk}")
+    if dq == 0 or value.shape[-1] == 0:
+        raise ValueError(
+            f"head dims must be >= 1, got query/key D = {dq}, value D_v = {value.shape[-1]}"
+        )
     if (hk, tk) != (hv, tv):
         raise ValueError(
             f"key and value must share heads and length, got key {tuple(key.shape)}, "
@@ -79,15 +84,19 @@ def check_inputs(
                 f"attn_mask must be a boolean tensor (True = may attend), got {got}; "
                 "convert an additive float mask with `mask == 0`"
             )
-        try:
-            torch.broadcast_shapes(attn_mask.shape, (bq, hq, query.shape[2], tk))
-        except RuntimeError:
-            raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                f"[B, H, T_q, T_k] = {[bq, hq, query.shape[2], tk]}"
-            ) from None
         if attn_mask.dim() > 4:
             raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
+        target = (bq, hq, query.shape[2], tk)
+        try:
+            fits = torch.broadcast_shapes(attn_mask.shape, target) == target
+        except RuntimeError:
+            fits = False
+        if not fits:  # broadcasting *with* the scores would widen the output: refuse
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"[B, H, T_q, T_k] = {list(target)}; each of its dims must be 1 or match "
+                "(a decode step with T_q = 1 needs the mask's last query row: mask[..., -1:, :])"
+            )
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
@@ -115,11 +124,75 @@ def combined_mask(
     return mask
 
 
+def as_4d(mask: Tensor | None) -> Tensor | None:
+    """A 0- to 4-dim mask viewed as 4-dim (leading size-1 axes)."""
+    if mask is None:
+        return None
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def count_visible(mask: Tensor, t_k: int) -> Tensor:
+    """``N_i = sum_j mask_ij`` as float32 ``(.., T_q|1, 1)``, counting the mask *broadcast* to
+    ``t_k`` keys: a size-1 key axis (``True`` of shape ``[]``, ``[T_q, 1]``) stands for ``t_k``."""
+    n = mask.sum(-1, keepdim=True, dtype=torch.float32)
+    return n * t_k if mask.shape[-1] == 1 and t_k != 1 else n
+
+
 def visible_counts(mask: Tensor | None, t_q: int, t_k: int, device: torch.device) -> Tensor:
     """``N_i``: keys each query row may attend to, as float32 broadcastable to ``[B,H,T_q,1]``."""
     if mask is None:
         return torch.full((1, 1, 1, 1), float(t_k), device=device)
-    return mask.sum(-1, keepdim=True, dtype=torch.float32)  # (.., T_q, 1)
+    return count_visible(mask, t_k)
+
+
+def unit(x: Tensor) -> Tensor:
+    """``x / ||x||`` over the last dim in the compute dtype, robust at every scale.
+
+    The vector is first divided by its largest magnitude (a constant for the gradient: the result
+    is scale-invariant), so tiny (< 1e-12) and huge (> 1e19 in fp32, 1e4 in fp16) vectors keep
+    their direction. A zero vector gives zeros (cosine 0 with everything, so a uniform row for the
+    softplus/softmax variants) and a zero gradient.
+    """
+    x = x.to(compute_dtype(x.dtype))
+    big = x.detach().abs().amax(-1, keepdim=True)
+    finite_nonzero = (big > 0) & torch.isfinite(big)
+    y = x / torch.where(finite_nonzero, big, torch.ones_like(big))
+    norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+    ok = norm > 0
+    return torch.where(ok, y / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(y))
+
+
+def hide_unseen(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero the keys/values no query may see and the queries that see no key.
+
+    Masked entries are never read into the result: padding filled with NaN or inf cannot reach a
+    visible row (``0 * nan`` would, in a matmul), and a fully masked row is exactly zero whatever
+    its query holds. Gradients to the hidden entries are zero. ``mask`` is 4-dim or None.
+    """
+    if mask is None:
+        return query, key, value
+    t_q, t_k = query.shape[-2], key.shape[-2]
+    if mask.shape[-2] == 1 and is_causal and t_k > 0:  # key padding + causal, without T_q x T_k
+        # the last row sees every key; row i sees one iff the first visible key is <= T_k-T_q+i
+        seen_k = mask.transpose(-1, -2)
+        first = torch.where(mask, torch.arange(mask.shape[-1], device=mask.device), t_k).amin(-1)
+        rows = torch.arange(t_q, device=mask.device) + (t_k - t_q)
+        seen_q = (first <= rows).unsqueeze(-1)  # (B|1, H|1, T_q, 1)
+    else:
+        full = combined_mask(mask, is_causal, t_q, t_k, mask.device)
+        seen_k = full.any(-2, keepdim=True).transpose(-1, -2)  # (B|1, H|1, T_k|1, 1)
+        seen_q = full.any(-1, keepdim=True)  # (B|1, H|1, T_q|1, 1)
+    hq, hk = query.shape[1], key.shape[1]
+    if seen_k.shape[1] == hq and hq != hk:  # GQA: a kv head is seen if any of its group sees it
+        seen_k = seen_k.reshape(seen_k.shape[0], hk, hq // hk, *seen_k.shape[2:]).any(2)
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    if not bool(seen_k.all()):
+        key, value = torch.where(seen_k, key, zero), torch.where(seen_k, value, zero)
+    if not bool(seen_q.all()):
+        query = torch.where(seen_q, query, zero)
+    return query, key, value
 
 
 def expand_kv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -138,6 +211,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def length_scale(n: Tensor, d: int) -> Tensor:
     """LSSA's length scale ``c_i = ln(d) * ln(N_i)`` (0 for rows with ``N_i <= 1``)."""
     return math.log(d) * torch.log(n.clamp_min(1.0))
+
+
+def log_phi(s: Tensor, phi: str) -> Tensor:
+    """``log(phi(s))`` for softplus and sigmoid without underflow: ``softplus(s) = e^s (1 - ...)``
+    and ``sigmoid(s) = e^s (1 - ...)`` for ``s << 0``. An l1 row normalised as
+    ``exp(log_phi - max log_phi)`` is the same row, and cannot underflow to all zeros (fp32 does
+    below ``s ~ -104``). The clamp keeps the unused branch, and so its gradient, finite."""
+    if phi == "sigmoid":
+        return F.logsigmoid(s)
+    return torch.where(s < -30.0, s, torch.log(F.softplus(s.clamp_min(-30.0))))
 
 
 def uniform_tolerance(dtype: torch.dtype) -> float:

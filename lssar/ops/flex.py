@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lssar.ops.common import causal_mask, check_inputs, uniform_tolerance
+from lssar.ops.common import causal_mask, check_inputs, count_visible, uniform_tolerance
 from lssar.ops.registry import register_impl
 from lssar.ops.variants import Variant
 
@@ -84,7 +84,7 @@ def _visible_counts(
             n = torch.full((t_q,), t_k, device=device)
         return n.to(torch.float32).expand(b, h, t_q)
     m = mask4 & causal_mask(t_q, t_k, device, q_start=off) if is_causal else mask4
-    return m.sum(-1, dtype=torch.float32).expand(b, h, t_q)
+    return count_visible(m, t_k).squeeze(-1).expand(b, h, t_q)
 
 
 def _mask_mod(mask4: Tensor | None, is_causal: bool, t_q: int, t_k: int, sentinel: bool):

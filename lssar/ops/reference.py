@@ -27,7 +27,9 @@ from lssar.ops.common import (
     compute_dtype,
     expand_kv,
     length_scale,
+    log_phi,
     uniform_tolerance,
+    unit,
     visible_counts,
 )
 from lssar.ops.variants import Variant
@@ -39,7 +41,7 @@ def scores(
     """Scores ``s_ij = c_i q_i.k_j (B,H,T_q,T_k)`` of ``q (B,H,T_q,D)``, ``k (B,H,T_k,D)``."""
     d = q.shape[-1]
     if variant.qk_norm:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = unit(q), unit(k)
     s = q @ k.transpose(-1, -2)  # (B, H, T_q, T_k)
     if variant.scaling == "log_n":
         return s * length_scale(n, d)
@@ -61,14 +63,20 @@ def normalise(
         row_max = s.amax(-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         a = torch.exp(s - row_max)
-    elif variant.phi == "softplus":
-        a = F.softplus(s)
+    elif variant.phi in ("softplus", "sigmoid"):
+        if variant.phi == "sigmoid":
+            bias = options.get("bias")
+            s = s + (-torch.log(n.clamp_min(1.0)) if bias is None else bias)
+        if variant.l1:  # relative to the row's largest weight: cannot underflow (METHOD.md 3)
+            ls = log_phi(s, variant.phi).masked_fill(~visible, float("-inf"))
+            row_max = ls.amax(-1, keepdim=True)
+            a = torch.exp(
+                ls - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            )
+        else:
+            a = torch.sigmoid(s) if variant.phi == "sigmoid" else F.softplus(s)
     elif variant.phi == "relu":
         a = F.relu(s)
-    elif variant.phi == "sigmoid":
-        bias = options.get("bias")
-        b = -torch.log(n.clamp_min(1.0)) if bias is None else bias
-        a = torch.sigmoid(s + b)
     else:
         raise AssertionError(variant.phi)
     a = torch.where(visible, a, torch.zeros_like(a))

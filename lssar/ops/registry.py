@@ -6,10 +6,11 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lssar.ops.chunked import chunked_attention
-from lssar.ops.common import check_inputs
+from lssar.ops.common import as_4d, check_inputs, hide_unseen
 from lssar.ops.reference import reference_attention
 from lssar.ops.sdpa import sdpa_attention
 from lssar.ops.variants import VARIANTS, Variant
@@ -73,10 +74,16 @@ def variants() -> list[dict[str, Any]]:
     ]
 
 
+def _functorch_active() -> bool:
+    """Inside torch.func.grad / vmap / jacrev: the fused kernels' autograd formulas do not
+    compose with these transforms, the reference's autograd does."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
 def _auto(
     query: Tensor, key: Tensor, dropout_p: float, variant: Variant, opts: dict[str, Any]
 ) -> str:
-    if dropout_p > 0:
+    if dropout_p > 0 or (_functorch_active() and not _softmax_family(variant, opts)):
         return "reference"
     if query.is_cuda and "triton" in IMPLS and IMPLS["triton"][1](variant, opts):
         return "triton"
@@ -102,6 +109,11 @@ def resolve(
         raise ValueError(
             f"impl {impl!r} does not run variant {v.name!r} with options {opts}; "
             f"use one of: auto, {', '.join(ok)}"
+        )
+    if impl in ("chunked", "triton") and _functorch_active():
+        raise ValueError(
+            f"impl={impl!r} does not run under torch.func transforms (grad, vmap, jacrev); "
+            "use impl='auto' or impl='reference' there"
         )
     return v, impl, opts
 
@@ -141,11 +153,17 @@ def attention(
 
     Returns:
         ``(B, H_q, T_q, D_v)`` in the input dtype. ``N_i`` is the number of keys row ``i`` may
-        attend to; rows with ``N_i = 0`` are zero (never NaN). Statistics are computed in float32
-        for half-precision inputs.
+        attend to; rows with ``N_i = 0`` (including ``T_k = 0``) are zero (never NaN), and masked
+        keys, values and queries are never read (NaN padding cannot leak). Normalisation and
+        statistics are computed in float32 for half-precision inputs.
     """
     check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     v, impl, opts = resolve(variant, impl, query, key, dropout_p, options)
+    attn_mask = as_4d(attn_mask)
+    if key.shape[-2] == 0 or query.shape[-2] == 0:  # N_i = 0 everywhere: zeros, zero gradients
+        empty = query[..., :0].sum() + key.sum() + value.sum()  # 0, keeps the graph
+        return empty + query.new_zeros(query.shape[:-1] + value.shape[-1:])
+    query, key, value = hide_unseen(query, key, value, attn_mask, is_causal)
     if scale is not None and v.scaling == "log_n":
         raise ValueError(
             f"variant {v.name!r} uses the length scale ln(D) ln(N_i) and takes no `scale`; "

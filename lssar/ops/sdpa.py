@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lssar.ops.common import combined_mask, compute_dtype, length_scale, visible_counts
+from lssar.ops.common import combined_mask, compute_dtype, length_scale, unit, visible_counts
 
 
 def sdpa_attention(
@@ -31,17 +31,14 @@ def sdpa_attention(
 ) -> Tensor:
     """Softmax-family attention on SDPA; same contract as the reference. ``(B, H_q, T_q, D_v)``."""
     t_q, t_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
-    if variant.qk_norm:
-        query, key = F.normalize(query, dim=-1), F.normalize(key, dim=-1)
-    if attn_mask is None and (not is_causal or t_q == t_k) and variant.scaling == "sdpa":
-        return F.scaled_dot_product_attention(
-            query, key, value, None, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-    mask = combined_mask(attn_mask, is_causal, t_q, t_k, query.device)
+    dtype = query.dtype
+    if variant.qk_norm:  # normalised (and scaled below) in float32, then back to the input dtype
+        query, key = unit(query), unit(key).to(dtype)
+    # causal with T_q = T_k stays SDPA's is_causal (fused, O(T) memory), also with a row scale
+    fused_causal = attn_mask is None and (not is_causal or t_q == t_k)
+    mask = None if fused_causal else combined_mask(attn_mask, is_causal, t_q, t_k, query.device)
     if variant.scaling != "sdpa":
-        if mask is None:
-            n = visible_counts(None, t_q, t_k, query.device)
-        elif attn_mask is None:  # causal only: N_i = T_k - T_q + i + 1
+        if attn_mask is None and is_causal:  # N_i = T_k - T_q + i + 1
             n = (torch.arange(t_q, device=query.device) + (t_k - t_q + 1)).clamp(0, t_k)
             n = n.to(torch.float32).reshape(1, 1, -1, 1)
         else:
@@ -54,11 +51,19 @@ def sdpa_attention(
             s_h = s_h.reshape(1, -1, 1, 1) if s_h.dim() == 1 else s_h
             base = 1.0 / math.sqrt(d) if scale is None else scale
             c = s_h * torch.log(n.clamp_min(1.0)) * base
-        query = query * c.to(query.dtype)
+        query = (query.to(c.dtype) * c).to(dtype)
         scale = 1.0
+    query = query.to(dtype)
     if mask is None:
         return F.scaled_dot_product_attention(
-            query, key, value, None, dropout_p, False, scale=scale, enable_gqa=enable_gqa
+            query,
+            key,
+            value,
+            None,
+            dropout_p,
+            fused_causal and is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
         )
     # SDPA gives NaN for rows with no visible key: let them see everything, then zero them.
     empty = ~mask.any(-1, keepdim=True)

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lssar.ops.common import causal_mask, check_inputs, uniform_tolerance
+from lssar.ops.common import causal_mask, check_inputs, count_visible, uniform_tolerance
 from lssar.ops.registry import register_impl
 from lssar.ops.variants import Variant
 
@@ -686,14 +686,14 @@ def _visible_counts(
             n = torch.full((t_q,), t_k, device=device)
         return n.to(torch.float32).expand(b, h, t_q)
     if not is_causal:
-        n = mask4.sum(-1, dtype=torch.float32)  # (B|1, H|1, T_q|1)
+        n = count_visible(mask4, t_k).squeeze(-1)  # (B|1, H|1, T_q|1)
     elif mask4.shape[-2] == 1:  # key padding + causal: prefix sums, no (T_q, T_k) temporary
         cs = mask4[..., 0, :].cumsum(-1, dtype=torch.float32)  # (B|1, H|1, T_k)
         last = torch.arange(t_q, device=device) + off  # last key each row may see
         n = cs.index_select(-1, last.clamp(0, t_k - 1))
         n = torch.where(last >= 0, n, torch.zeros_like(n))
     else:
-        n = (mask4 & causal_mask(t_q, t_k, device, q_start=off)).sum(-1, dtype=torch.float32)
+        n = count_visible(mask4 & causal_mask(t_q, t_k, device, q_start=off), t_k).squeeze(-1)
     return n.expand(b, h, t_q)
 
 

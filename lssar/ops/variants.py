@@ -73,6 +73,11 @@ class Variant:
                 raise ValueError(f"s must be a float or a per-head tensor of shape [H], got {s!r}")
             if isinstance(s, torch.Tensor) and s.dim() > 1:
                 raise ValueError(f"s must be a per-head tensor of shape [H], got {tuple(s.shape)}")
+            finite = (
+                bool(torch.isfinite(s).all()) if isinstance(s, torch.Tensor) else math.isfinite(s)
+            )
+            if isinstance(s, bool) or not finite:
+                raise ValueError(f"s must be finite (a float or a per-head tensor), got {s!r}")
         return resolved
 
 
