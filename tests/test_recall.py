@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,3 +164,24 @@ def test_resume_matches_uninterrupted(tmp_path):
     assert done["finished"] and done["steps"] == 6 and not (rd / "ckpt.pt").exists()
     for (n, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+def test_window_arm_shares_softmax_run_and_hides_far_keys():
+    from lssar.recall.study import build_model, window_mask
+
+    cfg = tiny()
+    assert run_dir(Path("r"), cfg, ARMS["window"], 0) == run_dir(Path("r"), cfg, ARMS["softmax"], 0)
+    torch.manual_seed(0)
+    model = build_model(cfg, ARMS["softmax"]).eval()
+    T, W = 40, 8
+    x = torch.randint(0, cfg.task.vocab_size, (1, T))
+    y = x.clone()
+    y[0, : T - 2 * W] = (y[0, : T - 2 * W] + 1) % cfg.task.vocab_size  # change far tokens only
+    mask = window_mask(T, W)
+    with torch.no_grad():
+        a, _ = model(x, attn_mask=mask)
+        b, _ = model(y, attn_mask=mask)
+        c, _ = model(y)
+    # one layer: the last position sees only the last W tokens under the window
+    assert torch.allclose(a[0, -1], b[0, -1], atol=1e-6)
+    assert not torch.allclose(a[0, -1], c[0, -1], atol=1e-6)

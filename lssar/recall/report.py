@@ -65,8 +65,9 @@ def _table(cells, arms, multiples, dist) -> list[str]:
 
 def _compare(cells, a, b, multiples, dist) -> str | None:
     """One table row: the verdict of a vs b at each multiple (None if an arm is missing)."""
-    if not any((a, 1, "all") == k[:3] for k in cells) or not any((b, 1, "all") == k[:3]
-                                                                  for k in cells):
+    if not any((a, 1, "all") == k[:3] for k in cells) or not any(
+        (b, 1, "all") == k[:3] for k in cells
+    ):
         return None
     out = []
     for m in multiples:
@@ -142,7 +143,7 @@ def write_report(
     if one_seed:
         lines += [
             "**One seed: no confidence intervals are available, so no verdict below is "
-            "\"supported\"; read the numbers as a smoke test of the pipeline, not a finding.**",
+            '"supported"; read the numbers as a smoke test of the pipeline, not a finding.**',
             "",
         ]
     if low:
@@ -173,8 +174,12 @@ def write_report(
         cells,
         "2. Re-weighting or length scale? (LSSAR vs softmax-qknorm-logn: same ln N scale; "
         "LSSA vs LSSAR: same scale, with/without re-weighting)",
-        [("lssar p=15", "softmax-qknorm-logn"), ("lssar p=15", "lssa"), ("lssar p=3", "lssa"),
-         ("ssmax", "softmax")],
+        [
+            ("lssar p=15", "softmax-qknorm-logn"),
+            ("lssar p=15", "lssa"),
+            ("lssar p=3", "lssa"),
+            ("ssmax", "softmax"),
+        ],
         longer,
     )
     sweep = [a for a in arms if a.startswith("lssa -> ")]
@@ -211,14 +216,18 @@ def write_report(
             f"| {r['arm']} | {r['seed']} | {'-' if acc is None else f'{100 * acc:.1f}%'} | "
             f"{'-' if secs is None else f'{secs:.0f}'} | `{r['run']}` |"
         )
-    lines += ["", "## Plots", "", "![accuracy vs length](accuracy_vs_length.png)",
-              "![distance split](distance_split.png)"]
+    lines += [
+        "",
+        "## Plots",
+        "",
+        "![accuracy vs length](accuracy_vs_length.png)",
+        "![distance split](distance_split.png)",
+    ]
     plot_accuracy(rows, out)
     if models:
         plot_attention_maps(models, cfg, out)
         lines.append("![attention maps](attention_maps.png)")
-    lines += ["", "## Environment", "", "```", json.dumps(meta.get("env", {}), indent=1), "```",
-              ""]
+    lines += ["", "## Environment", "", "```", json.dumps(meta.get("env", {}), indent=1), "```", ""]
     atomic_write(out / "REPORT.md", "\n".join(lines))
     return out
 
@@ -252,8 +261,13 @@ def plot_accuracy(rows, out: Path) -> None:
         xs, ys, es = _series(cells, a, multiples, "all")
         ls = "--" if "(eval)" in a else "-"
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=color(a), ls=ls, label=a)
-    ax.set(xscale="log", xlabel="evaluation length / training length", ylabel="accuracy (%)",
-           ylim=(-2, 102), title="Associative recall: accuracy vs length (all distances)")
+    ax.set(
+        xscale="log",
+        xlabel="evaluation length / training length",
+        ylabel="accuracy (%)",
+        ylim=(-2, 102),
+        title="Associative recall: accuracy vs length (all distances)",
+    )
     ax.set_xticks(multiples, [f"{m}x" for m in multiples])
     ax.grid(alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
@@ -265,10 +279,13 @@ def plot_accuracy(rows, out: Path) -> None:
             xs, ys, es = _series(cells, a, multiples, dist)
             if xs:
                 ls = "--" if "(eval)" in a else "-"
-                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=color(a), ls=ls,
-                            label=a)
-        ax.set(xscale="log", xlabel="evaluation length / training length",
-               title=f"key-query distance {dist} the training length", ylim=(-2, 102))
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=color(a), ls=ls, label=a)
+        ax.set(
+            xscale="log",
+            xlabel="evaluation length / training length",
+            title=f"key-query distance {dist} the training length",
+            ylim=(-2, 102),
+        )
         ax.set_xticks(multiples, [f"{m}x" for m in multiples])
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (%)")
@@ -299,8 +316,9 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
         panels.append((name, model, arm, None))
         if arm.eval_ps:
             panels.append((eval_label(arm, 15.0), model, arm, 15.0))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.6 * len(panels) + 0.6), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(9, 1.6 * len(panels) + 0.6), sharex=True, squeeze=False
+    )
     for ax, (label, model, arm, p) in zip(axes[:, 0], panels):
         if p is not None:
             model.set_attention("lssar", {"p": p})
@@ -314,10 +332,15 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
         ax.axvline(k, color="k", ls=":", lw=1)
         ax.axvspan(q - L + 1, q, color="0.9", zorder=0)
         ax.set_ylabel("weight", fontsize=7)
-        ax.set_title(f"{label}: weight on the key {w[k]:.2f}, answer "
-                     f"{'correct' if ok else 'wrong'}", fontsize=8, loc="left")
-    axes[-1, 0].set_xlabel(f"key position (query at {q}; dotted: the queried key at {k}, "
-                           f"distance {q - k}; grey: the last {L} tokens)")
+        ax.set_title(
+            f"{label}: weight on the key {w[k]:.2f}, answer {'correct' if ok else 'wrong'}",
+            fontsize=8,
+            loc="left",
+        )
+    axes[-1, 0].set_xlabel(
+        f"key position (query at {q}; dotted: the queried key at {k}, "
+        f"distance {q - k}; grey: the last {L} tokens)"
+    )
     fig.suptitle(f"Last-layer attention of one query at {mult}x (mean over heads)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "attention_maps.png", dpi=110)

@@ -97,8 +97,16 @@ class StudyConfig:
         for m in self.multiples:
             if not isinstance(m, int) or m < 1:
                 raise ValueError(f"multiples: {m!r} is not a positive integer")
-        for name in ("n_layer", "n_head", "n_embd", "steps", "batch_size", "eval_seqs",
-                     "eval_batch", "ckpt_every"):
+        for name in (
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "steps",
+            "batch_size",
+            "eval_seqs",
+            "eval_batch",
+            "ckpt_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.lr <= 0:
@@ -142,14 +150,14 @@ def preset_config(name: str, **overrides: Any) -> StudyConfig:
 # ------------------------------------------------------------------------------- training
 
 
-def _slug(s: str) -> str:
-    return s.replace(" ", "").replace("=", "").replace(">", "").replace("(", "").replace(")", "")
-
-
 def run_dir(runs: Path, cfg: StudyConfig, arm: Arm, seed: int) -> Path:
-    d = cfg.train_dict() | {"attn": arm.train_attn, "p": arm.train_p, "window": arm.window}
+    """The run of ``arm``/``seed``. A window of ``train_len`` at the training length is the
+    whole causal context, so the window arm *trains* exactly as softmax: it shares softmax's run
+    (one model) and differs only at evaluation, where the window hides keys >= L back."""
+    d = cfg.train_dict() | {"attn": arm.train_attn, "p": arm.train_p}
     h = hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return runs / f"{_slug(arm.name)}-s{seed}-{h}"
+    name = f"{arm.train_attn}" + ("" if arm.train_p is None else f"-p{arm.train_p:g}")
+    return runs / f"{name}-s{seed}-{h}"
 
 
 def window_mask(length: int, window: int) -> torch.Tensor:
@@ -290,7 +298,8 @@ def evaluate_arm(
 ) -> dict[str, dict[str, list[int]]]:
     """Per length multiple: ``correct`` (0/1) and ``distance`` of every scored query; cached in
     ``rd/eval-<rule>.json``. ``p`` set = evaluate with lssar at that p (eval-only re-weighting)."""
-    path = rd / f"eval-{'trained' if p is None else f'lssar-p{p:g}'}-{cfg.eval_seqs}.json"
+    rule = ("window" if arm.window else "trained") if p is None else f"lssar-p{p:g}"
+    path = rd / f"eval-{rule}-{cfg.eval_seqs}.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
     if p is None:
         model.set_attention(arm.train_attn, {} if arm.train_p is None else {"p": arm.train_p})
@@ -339,9 +348,14 @@ def tidy_rows(
             rows.append(
                 {
                     "arm": eval_label(arm, p),
-                    "train_attn": arm.train_attn + (f" p={arm.train_p:g}" if arm.train_p else "")
-                    + (" window" if arm.window else ""),
-                    "eval_attn": arm.train_attn if p is None else "lssar",
+                    "train_attn": arm.train_attn,
+                    "eval_attn": (
+                        "lssar"
+                        if p is not None
+                        else f"{arm.train_attn} window={train_len}"
+                        if arm.window
+                        else arm.train_attn
+                    ),
                     "eval_p": arm.train_p if p is None else p,
                     "seed": seed,
                     "length_multiple": int(m),
@@ -377,12 +391,17 @@ def run_study(
             model, done = train_arm(cfg, arm, seed, runs, progress)
             rd = run_dir(runs, cfg, arm, seed)
             train_info.append(
-                {"arm": arm.name, "seed": seed, "run": str(rd),
-                 "train_seconds": done.get("train_seconds"),
-                 "final_train_acc": (done.get("log") or [{}])[-1].get("acc")}
+                {
+                    "arm": arm.name,
+                    "seed": seed,
+                    "run": str(rd),
+                    "train_seconds": done.get("train_seconds"),
+                    "final_train_acc": (done.get("log") or [{}])[-1].get("acc"),
+                }
             )
-            ps = [None] + list(arm.eval_ps if cfg.eval_ps is None else
-                               (cfg.eval_ps if arm.eval_ps else ()))
+            ps = [None] + list(
+                arm.eval_ps if cfg.eval_ps is None else (cfg.eval_ps if arm.eval_ps else ())
+            )
             for p in ps:
                 ev = evaluate_arm(model, cfg, arm, p, rd)
                 rows += tidy_rows(arm, p, seed, ev, cfg.task.train_len)
