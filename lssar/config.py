@@ -68,7 +68,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    dtype: str = "auto"  # "auto" = bf16 autocast where supported, "bf16", "fp32"
+    # "auto" = bf16 autocast where it is native (CUDA with bf16; a CPU with AVX512-BF16/AMX, else
+    # fp32), "bf16" (emulated and slow on other CPUs), "fp32"; config.json records the choice
+    dtype: str = "auto"
     compile: bool = False
     seed: int = 0
     device: str = "auto"

@@ -123,10 +123,24 @@ def _setup_distributed(device_opt: str) -> tuple[_Dist, bool]:
     return _Dist(rank, world, device), created
 
 
+def _cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16/AMX): else bf16 matmuls are emulated,
+    often ~100x slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # a build without oneDNN, or the private op moved
+        return False
+
+
 def _use_bf16(dtype: str, device: torch.device) -> bool:
+    """Whether to train under bf16 autocast: ``"auto"`` picks it where it is fast (CUDA with
+    bf16, a CPU with native bf16), ``"bf16"`` insists (emulated on other CPUs), ``"fp32"`` never.
+    """
     ok = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
     if dtype == "bf16" and not ok:
         raise ValueError(f"bf16 autocast is not supported on {device}: use --dtype=fp32")
+    if dtype == "auto" and device.type == "cpu":
+        ok = _cpu_has_native_bf16()
     return dtype != "fp32" and ok
 
 
@@ -285,6 +299,7 @@ def _train(
         opt.load_state_dict(ckpt["optimizer"])
         step, tokens, history = ckpt["step"], ckpt["tokens"], ckpt["val_history"]
     _barrier()  # every rank has read the run dir before rank 0 rewrites it
+    bf16 = _use_bf16(cfg.dtype, d.device)
     if master:
         dataset = {k: manifest[k] for k in ("corpus", "tokenizer", "total_tokens")}
         config = {
@@ -293,6 +308,7 @@ def _train(
             "params": raw.num_params(),
             "data_dir": str(data_dir),
             "dataset": dataset,
+            "autocast": "bf16" if bf16 else "fp32",  # what dtype="auto" resolved to here
         }
         _init_run_dir(run_dir, step, config, _environment(d.device, d.world))
         print(
@@ -327,7 +343,6 @@ def _train(
             atomic_write(latest, lambda f: torch.save(state, f))
         _barrier()
 
-    bf16 = _use_bf16(cfg.dtype, d.device)
     model: torch.nn.Module = torch.compile(raw) if cfg.compile else raw
     if d.world > 1:
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)

@@ -124,6 +124,22 @@ def test_lr_schedule() -> None:
     assert lr_at(60, cfg) == pytest.approx(0.55) and lr_at(110, cfg) == pytest.approx(0.1)
 
 
+def test_dtype_auto_uses_bf16_on_cpu_only_when_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lssar import train as train_mod
+
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda n=native: n)
+        assert train_mod._use_bf16("auto", cpu) is native
+        assert train_mod._use_bf16("bf16", cpu) and not train_mod._use_bf16("fp32", cpu)
+
+    def broken() -> bool:
+        raise RuntimeError("no oneDNN")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", broken)
+    assert not train_mod._use_bf16("auto", cpu)
+
+
 # ------------------------------------------------------------------------------------- runs
 
 
@@ -135,6 +151,7 @@ def test_run_dir_and_loss_decreases(finished_run: Path) -> None:
     assert len(losses) == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     vals = [r["val_loss"] for r in log_of(run, "eval")]
     assert [r["step"] for r in log_of(run, "eval")] == [0, 20, 40] and vals[-1] < vals[0]
+    assert json.loads((run / "config.json").read_text())["autocast"] == "fp32"  # dtype="fp32"
     env = json.loads((run / "env.json").read_text())
     assert env["world_size"] == 1 and env["torch"] == torch.__version__
     model, cfg, meta = load_run(run)
