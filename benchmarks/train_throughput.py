@@ -18,9 +18,10 @@ import time
 import numpy as np
 import torch
 
+from lssar.config import TrainConfig, load_config, model_config
 from lssar.data import get_batch
 from lssar.model import GPT
-from lssar.train import TrainConfig, load_config, lr_at, model_config
+from lssar.train import lr_at
 
 
 def make_arm(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimizer]:

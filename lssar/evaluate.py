@@ -259,7 +259,7 @@ def evaluate_run(
 
     Re-running with the same arguments reuses the saved result.
     """
-    from lssar.train import load_run
+    from lssar.runs import load_run
 
     run_dir = Path(run_dir)
     multiples = parse_multiples(multiples or list(DEFAULT_MULTIPLES))

@@ -321,7 +321,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -
     ``lssar.hf.register()`` then ``AutoModelForCausalLM.from_pretrained(out_dir)``.
     """
     from lssar import data
-    from lssar.train import load_run
+    from lssar.runs import load_run
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):

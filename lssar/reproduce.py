@@ -125,7 +125,8 @@ def reproduce(
     overrides: list[str] | None = None,
 ) -> Path:
     """Train + evaluate every arm of ``preset_name``; returns the report directory."""
-    from lssar.train import load_config, train
+    from lssar.config import load_config
+    from lssar.train import train
 
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")

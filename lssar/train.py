@@ -1,8 +1,7 @@
 """Training: one loop for a single process and ``torchrun`` DDP, with exact resume.
 
-A run is the directory ``out_dir/run_name``: ``config.json`` (resolved config), ``env.json``
-(code version, versions, hardware), ``log.jsonl`` (one JSON per train/eval event), atomic
-checkpoints ``ckpt/latest.pt`` / ``ckpt/final.pt`` and a ``DONE`` marker. The data order is a
+A run is the directory ``out_dir/run_name`` (its files and checkpoints: :mod:`lssar.runs`).
+The data order is a
 pure function of ``(seed, step, micro_step, rank)`` (:func:`lssar.data.get_batch`) and the LR a
 function of the step, so resuming from a checkpoint replays exactly the steps an uninterrupted
 run takes: no RNG state is saved. ``batch_size`` is per rank; a step sees
@@ -13,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -31,7 +28,6 @@ from tqdm import tqdm
 
 from lssar import data
 from lssar.config import (
-    BOOKKEEPING,
     TrainConfig,
     default_run_name,
     list_presets,
@@ -39,10 +35,19 @@ from lssar.config import (
     model_config,
     validate,
 )
-from lssar.model import GPT, GPTConfig
-from lssar.runio import atomic_write, environment
-
-CKPT_FORMAT = "lssar-ckpt"
+from lssar.model import GPT
+from lssar.runio import environment
+from lssar.runs import (
+    append_log,
+    check_same_config,
+    finish_run,
+    init_run_dir,
+    load_checkpoint,
+    load_model_state,
+    load_run,
+    save_checkpoint,
+    stored_train_config,
+)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -51,42 +56,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
-
-
-# ------------------------------------------------------------------------- files, checkpoints
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    s = " ".join(str(e).split()) or type(e).__name__
-    return s if len(s) <= limit else s[:limit] + "..."
-
-
-def _load_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # a damaged file surfaces as RuntimeError, EOFError, pickle errors...
-        raise ValueError(
-            f"checkpoint {path} is corrupt ({_one_line(e)}): delete it or start a new run"
-        ) from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
-        raise ValueError(
-            f"checkpoint {path} is not an lssar checkpoint: delete it or start a new run"
-        )
-    return ckpt
-
-
-def _load_model_state(model: GPT, ckpt: dict[str, Any], path: Path) -> None:
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise ValueError(
-            f"checkpoint {path} does not fit this model ({_one_line(e)}): the "
-            "config's model shape differs; use a new --run_name"
-        ) from e
 
 
 def _environment(device: torch.device, world: int) -> dict[str, Any]:
@@ -169,34 +138,6 @@ def _resolve_data(cfg: TrainConfig, master: bool, progress: bool) -> tuple[Path,
     return path.resolve(), m
 
 
-def _check_same_config(stored: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> None:
-    now = asdict(cfg)
-    diff = [
-        f"{k}: {stored.get(k)!r} (run) != {v!r} (now)"
-        for k, v in now.items()
-        if k not in BOOKKEEPING and stored.get(k) != v
-    ]
-    if diff:
-        raise ValueError(
-            f"{run_dir} was started with a different config ({'; '.join(diff)}): use a new "
-            "--run_name, or --no-resume to start it over"
-        )
-
-
-def _init_run_dir(run_dir: Path, step: int, config: dict[str, Any], env: dict[str, Any]) -> None:
-    """Write config/env; keep the log up to ``step`` (the curve continues, no duplicates)."""
-    (run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
-    if step == 0:  # a fresh start: nothing of an earlier attempt may be resumed later
-        for stale in ("ckpt/latest.pt", "ckpt/final.pt", "DONE"):
-            (run_dir / stale).unlink(missing_ok=True)
-    log = run_dir / "log.jsonl"
-    lines = log.read_text().splitlines() if log.is_file() and step > 0 else []
-    kept = "".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step)
-    atomic_write(log, lambda f: f.write(kept.encode()))
-    _write_json(run_dir / "config.json", config)
-    _write_json(run_dir / "env.json", env | {"start_step": step})
-
-
 @torch.no_grad()
 def _evaluate(model: GPT, tokens: np.ndarray, cfg: TrainConfig, bf16: bool, d: _Dist) -> float:
     """Mean loss over the first ``eval_tokens`` of the val split; ranks share the windows."""
@@ -273,9 +214,9 @@ def _train(
     cfg: TrainConfig, resume: bool, progress: bool, d: _Dist, stop_after: int | None
 ) -> Path:
     run_dir, master = Path(cfg.out_dir) / cfg.run_name, d.rank == 0
-    latest, log_path = run_dir / "ckpt" / "latest.pt", run_dir / "log.jsonl"
-    if resume and (run_dir / "config.json").is_file():
-        _check_same_config(json.loads((run_dir / "config.json").read_text())["train"], cfg, run_dir)
+    latest = run_dir / "ckpt" / "latest.pt"
+    if resume and (stored := stored_train_config(run_dir)) is not None:
+        check_same_config(stored, cfg, run_dir)
         if (run_dir / "DONE").is_file():
             if master:
                 print(f"{run_dir} is complete: nothing to do")
@@ -294,8 +235,8 @@ def _train(
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
     step, tokens, history = 0, 0, []
     if resume and latest.is_file():
-        ckpt = _load_checkpoint(latest, d.device)
-        _load_model_state(raw, ckpt, latest)
+        ckpt = load_checkpoint(latest, d.device)
+        load_model_state(raw, ckpt, latest)
         opt.load_state_dict(ckpt["optimizer"])
         step, tokens, history = ckpt["step"], ckpt["tokens"], ckpt["val_history"]
     _barrier()  # every rank has read the run dir before rank 0 rewrites it
@@ -310,7 +251,7 @@ def _train(
             "dataset": dataset,
             "autocast": "bf16" if bf16 else "fp32",  # what dtype="auto" resolved to here
         }
-        _init_run_dir(run_dir, step, config, _environment(d.device, d.world))
+        init_run_dir(run_dir, step, config, _environment(d.device, d.world))
         print(
             f"{cfg.run_name}: {raw.num_params() / 1e6:.2f}M params, {cfg.attn} attention, "
             f"{d.device} x{d.world}, data {data_dir}, step {step}/{cfg.max_steps}"
@@ -318,8 +259,7 @@ def _train(
 
     def log(**record: Any) -> None:
         if master:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_log(run_dir, record)
 
     def evaluate() -> None:
         history.append([step, _evaluate(raw, val_tokens, cfg, bf16, d)])
@@ -327,8 +267,8 @@ def _train(
 
     def save() -> None:  # rank 0 writes, the others wait
         if master:
-            state = dict(
-                format=CKPT_FORMAT,
+            save_checkpoint(
+                latest,
                 model=raw.state_dict(),
                 optimizer=opt.state_dict(),
                 step=step,
@@ -340,7 +280,6 @@ def _train(
                 tokenizer=cfg.tokenizer,
                 corpus=manifest["corpus"],
             )
-            atomic_write(latest, lambda f: torch.save(state, f))
         _barrier()
 
     model: torch.nn.Module = torch.compile(raw) if cfg.compile else raw
@@ -393,49 +332,10 @@ def _train(
         if master:
             print(f"{run_dir}: stopped at step {step}/{cfg.max_steps}; run again to resume")
     elif master:
-        final = latest.with_name("final.pt")
-        final.unlink(missing_ok=True)
-        try:  # final.pt is the last latest.pt: a hard link saves writing it twice
-            os.link(latest, final)
-        except OSError:
-            with open(latest, "rb") as src:
-                atomic_write(final, lambda f: shutil.copyfileobj(src, f))
-        _write_json(run_dir / "DONE", {"step": step, "tokens": tokens, "val_loss": history[-1][1]})
+        finish_run(run_dir, step, tokens, history[-1][1])
         print(f"{run_dir}: done, {step} steps, val loss {history[-1][1]:.4f}")
     _barrier()
     return run_dir
-
-
-def load_run(
-    run_dir: str | Path, map_location: Any = "cpu", which: str = "final"
-) -> tuple[GPT, TrainConfig, dict[str, Any]]:
-    """The model of a run (weights loaded, eval mode), its :class:`TrainConfig`, and metadata.
-
-    ``which`` is ``"final"`` (finished runs) or ``"latest"``. Metadata: ``step``, ``tokens``,
-    ``val_history`` (``[step, val_loss]`` pairs), ``data_dir``, ``tokenizer``, ``corpus``,
-    ``run_dir``, ``checkpoint``.
-    """
-    if which not in ("final", "latest"):
-        raise ValueError(f"which={which!r}: use 'final' or 'latest'")
-    path = Path(run_dir) / "ckpt" / f"{which}.pt"
-    if not path.is_file():
-        hint = (
-            ""
-            if which == "latest" or not (path.parent / "latest.pt").is_file()
-            else (": the run is not finished (resume it, or load which='latest')")
-        )
-        raise FileNotFoundError(f"{path} not found{hint}")
-    ckpt = _load_checkpoint(path, map_location)
-    model = GPT(GPTConfig(**ckpt["gpt_config"]))
-    _load_model_state(model, ckpt, path)
-    if isinstance(map_location, (str, torch.device)):
-        model.to(map_location)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known})
-    meta = {
-        k: ckpt[k] for k in ("step", "tokens", "val_history", "data_dir", "tokenizer", "corpus")
-    }
-    return model.eval(), cfg, meta | {"run_dir": str(run_dir), "checkpoint": str(path)}
 
 
 # ---------------------------------------------------------------------------------------- CLI

@@ -10,7 +10,9 @@ import pytest
 
 from lssar import data, evaluate, reproduce
 from lssar.cli import main as cli_main
-from lssar.train import load_config, load_run, train
+from lssar.config import load_config
+from lssar.runs import load_run
+from lssar.train import train
 
 TINY = dict(
     n_layer=2,

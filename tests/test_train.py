@@ -14,16 +14,9 @@ import torch
 
 from lssar import data
 from lssar.cli import main
-from lssar.train import (
-    TrainConfig,
-    default_run_name,
-    load_config,
-    load_run,
-    lr_at,
-    sample,
-    sample_cli,
-    train,
-)
+from lssar.config import TrainConfig, default_run_name, load_config
+from lssar.runs import load_run
+from lssar.train import lr_at, sample, sample_cli, train
 
 TINY = dict(
     n_layer=2,

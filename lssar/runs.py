@@ -1,0 +1,156 @@
+"""Run directories and checkpoints: what training writes and evaluation, export and lm-eval read.
+
+A run is the directory ``out_dir/run_name``: ``config.json`` (resolved config), ``env.json``
+(code version, versions, hardware), ``log.jsonl`` (one JSON per train/eval event), atomic
+checkpoints ``ckpt/latest.pt`` / ``ckpt/final.pt`` and a ``DONE`` marker. Every file is written
+with :func:`lssar.runio.atomic_write`, so a run killed at any moment resumes from whole files.
+This module does not import the training loop: readers of runs need only it and
+:mod:`lssar.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lssar.config import BOOKKEEPING, TrainConfig
+from lssar.model import GPT, GPTConfig
+from lssar.runio import atomic_write
+
+CKPT_FORMAT = "lssar-ckpt"
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+# --------------------------------------------------------------------------------- the run dir
+
+
+def stored_train_config(run_dir: Path) -> dict[str, Any] | None:
+    """The ``train`` table of ``run_dir/config.json``, or None if the run has not started."""
+    path = Path(run_dir) / "config.json"
+    return json.loads(path.read_text())["train"] if path.is_file() else None
+
+
+def check_same_config(stored: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> None:
+    """Raise ``ValueError`` if ``cfg`` differs from the run's in anything but bookkeeping."""
+    now = asdict(cfg)
+    diff = [
+        f"{k}: {stored.get(k)!r} (run) != {v!r} (now)"
+        for k, v in now.items()
+        if k not in BOOKKEEPING and stored.get(k) != v
+    ]
+    if diff:
+        raise ValueError(
+            f"{run_dir} was started with a different config ({'; '.join(diff)}): use a new "
+            "--run_name, or --no-resume to start it over"
+        )
+
+
+def init_run_dir(run_dir: Path, step: int, config: dict[str, Any], env: dict[str, Any]) -> None:
+    """Write config/env; keep the log up to ``step`` (the curve continues, no duplicates)."""
+    (run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
+    if step == 0:  # a fresh start: nothing of an earlier attempt may be resumed later
+        for stale in ("ckpt/latest.pt", "ckpt/final.pt", "DONE"):
+            (run_dir / stale).unlink(missing_ok=True)
+    log = run_dir / "log.jsonl"
+    lines = log.read_text().splitlines() if log.is_file() and step > 0 else []
+    kept = "".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step)
+    atomic_write(log, lambda f: f.write(kept.encode()))
+    write_json(run_dir / "config.json", config)
+    write_json(run_dir / "env.json", env | {"start_step": step})
+
+
+def append_log(run_dir: Path, record: dict[str, Any]) -> None:
+    with open(Path(run_dir) / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def finish_run(run_dir: Path, step: int, tokens: int, val_loss: float) -> None:
+    """``ckpt/final.pt`` (the last ``latest.pt``) and the ``DONE`` marker."""
+    latest = Path(run_dir) / "ckpt" / "latest.pt"
+    final = latest.with_name("final.pt")
+    final.unlink(missing_ok=True)
+    try:  # final.pt is the last latest.pt: a hard link saves writing it twice
+        os.link(latest, final)
+    except OSError:
+        with open(latest, "rb") as src:
+            atomic_write(final, lambda f: shutil.copyfileobj(src, f))
+    write_json(Path(run_dir) / "DONE", {"step": step, "tokens": tokens, "val_loss": val_loss})
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path: Path, **state: Any) -> None:
+    """Write ``state`` (model/optimizer state dicts, counters, configs) atomically to ``path``."""
+    atomic_write(path, lambda f: torch.save({"format": CKPT_FORMAT, **state}, f))
+
+
+def load_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # a damaged file surfaces as RuntimeError, EOFError, pickle errors...
+        raise ValueError(
+            f"checkpoint {path} is corrupt ({_one_line(e)}): delete it or start a new run"
+        ) from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise ValueError(
+            f"checkpoint {path} is not an lssar checkpoint: delete it or start a new run"
+        )
+    return ckpt
+
+
+def load_model_state(model: GPT, ckpt: dict[str, Any], path: Path) -> None:
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ValueError(
+            f"checkpoint {path} does not fit this model ({_one_line(e)}): the "
+            "config's model shape differs; use a new --run_name"
+        ) from e
+
+
+def load_run(
+    run_dir: str | Path, map_location: Any = "cpu", which: str = "final"
+) -> tuple[GPT, TrainConfig, dict[str, Any]]:
+    """The model of a run (weights loaded, eval mode), its :class:`TrainConfig`, and metadata.
+
+    ``which`` is ``"final"`` (finished runs) or ``"latest"``. Metadata: ``step``, ``tokens``,
+    ``val_history`` (``[step, val_loss]`` pairs), ``data_dir``, ``tokenizer``, ``corpus``,
+    ``run_dir``, ``checkpoint``.
+    """
+    if which not in ("final", "latest"):
+        raise ValueError(f"which={which!r}: use 'final' or 'latest'")
+    path = Path(run_dir) / "ckpt" / f"{which}.pt"
+    if not path.is_file():
+        hint = (
+            ""
+            if which == "latest" or not (path.parent / "latest.pt").is_file()
+            else (": the run is not finished (resume it, or load which='latest')")
+        )
+        raise FileNotFoundError(f"{path} not found{hint}")
+    ckpt = load_checkpoint(path, map_location)
+    model = GPT(GPTConfig(**ckpt["gpt_config"]))
+    load_model_state(model, ckpt, path)
+    if isinstance(map_location, (str, torch.device)):
+        model.to(map_location)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known})
+    meta = {
+        k: ckpt[k] for k in ("step", "tokens", "val_history", "data_dir", "tokenizer", "corpus")
+    }
+    return model.eval(), cfg, meta | {"run_dir": str(run_dir), "checkpoint": str(path)}
