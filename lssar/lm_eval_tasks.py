@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 
 from lssar import data
-from lssar.evaluate import KEY_TEMPLATE, QUESTION
+from lssar.evaluate import QUESTION, passkey_probe
 from lssar.model import GPT, KVCache
 from lssar.runio import atomic_write
 
@@ -209,24 +209,16 @@ def _passkey_docs(
     """``n`` probes of about ``length`` tokens: filler, the key at a random depth, the question."""
     filler = tok.encode(text)
     question = QUESTION.rstrip()  # the answer " 12345" carries its own space (BPE-friendly)
+
+    def place(n_fill: int) -> tuple[int, int]:
+        start = rng.randrange(0, len(filler) - n_fill)
+        return start, rng.randrange(0, n_fill + 1)
+
     docs = []
     for _ in range(n):
         keys = rng.sample(range(10000, 100000), 1 + N_DISTRACTORS)
-        key_ids, q_ids = tok.encode(KEY_TEMPLATE.format(key=keys[0])), tok.encode(question)
-        probe = len(key_ids) + len(q_ids) + len(tok.encode(f" {keys[0]}"))
-        n_fill = length - probe
-        if n_fill < 0:
-            raise ValueError(
-                f"passkey length {length} tokens does not fit the probe ({probe} tokens without "
-                "filler): use a longer --passkey-length"
-            )
-        if n_fill >= len(filler):
-            raise ValueError(
-                f"passkey length {length} needs more filler text than the held-out text"
-            )
-        start = rng.randrange(0, len(filler) - n_fill)
-        fill, cut = filler[start : start + n_fill], rng.randrange(0, n_fill + 1)
-        context = tok.decode(fill[:cut] + key_ids + fill[cut:] + q_ids)
+        ids, _ = passkey_probe(tok, filler, length, str(keys[0]), place, question, f" {keys[0]}")
+        context = tok.decode(ids)
         choices = [f" {k}" for k in keys]
         rng.shuffle(choices)
         docs.append(

@@ -114,6 +114,28 @@ def test_write_local_tasks(tmp_path):
         write_local_tasks(tmp_path, TEXT, passkey_length=10)
 
 
+def test_passkey_docs_are_the_evaluate_probes(tmp_path):
+    # one builder: with the lm-eval doc's filler and key position, evaluate's probe (its answer
+    # included) is byte for byte the doc's context followed by the right choice
+    import numpy as np
+
+    from lssar.evaluate import KEY_TEMPLATE, passkey_sample
+
+    write_local_tasks(tmp_path, TEXT, n_docs=4, doc_chars=300, passkey_length=200)
+    tok = ByteTokenizer()
+    for line in (tmp_path / "passkey.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        statement = KEY_TEMPLATE.format(key=d["key"])
+        before, after = (
+            d["context"].removesuffix(" What is the pass key? The pass key is").split(statement)
+        )
+        fill = (before + after).encode()
+        filler = np.frombuffer(fill + b"!", dtype=np.uint8)  # one spare token: start 0 only
+        depth = len(before.encode()) / len(fill)
+        ids, _ = passkey_sample(tok, filler, 200, depth, d["key"], np.random.default_rng(0))
+        assert ids == tok.encode(d["context"] + d["choices"][d["label"]])
+
+
 def test_lm_eval_cli_offline_on_a_run(tmp_path):
     """The harness end to end, offline: a tiny run, the three local tasks, 3 documents each."""
     from lssar.cli import main
