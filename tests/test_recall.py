@@ -176,7 +176,7 @@ def test_window_arm_shares_softmax_run_and_hides_far_keys():
     T, W = 40, 8
     x = torch.randint(0, cfg.task.vocab_size, (1, T))
     y = x.clone()
-    y[0, : T - 2 * W] = (y[0, : T - 2 * W] + 1) % cfg.task.vocab_size  # change far tokens only
+    y[0, 1 : T - 2 * W] = (y[0, 1 : T - 2 * W] + 1) % cfg.task.vocab_size  # far, not BOS
     mask = window_mask(T, W)
     with torch.no_grad():
         a, _ = model(x, attn_mask=mask)
@@ -185,3 +185,8 @@ def test_window_arm_shares_softmax_run_and_hides_far_keys():
     # one layer: the last position sees only the last W tokens under the window
     assert torch.allclose(a[0, -1], b[0, -1], atol=1e-6)
     assert not torch.allclose(a[0, -1], c[0, -1], atol=1e-6)
+    z = y.clone()
+    z[0, 0] = (z[0, 0] + 1) % cfg.task.vocab_size  # the sink (first token) stays visible
+    with torch.no_grad():
+        d, _ = model(z, attn_mask=mask)
+    assert not torch.allclose(b[0, -1], d[0, -1], atol=1e-6)

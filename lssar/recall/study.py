@@ -165,10 +165,17 @@ def run_dir(runs: Path, cfg: StudyConfig, arm: Arm, seed: int) -> Path:
     return runs / f"{name}-s{seed}-{h}"
 
 
-def window_mask(length: int, window: int) -> torch.Tensor:
-    """``(T, T)`` bool, True where key j is at most ``window - 1`` tokens before query i."""
+def window_mask(length: int, window: int, sink: bool = True) -> torch.Tensor:
+    """``(T, T)`` bool, True where key j is at most ``window - 1`` tokens before query i.
+
+    With ``sink`` the first token (BOS) stays visible too (project choice, as StreamingLLM's
+    attention sink): every training row saw BOS, and hiding it breaks the model at every
+    distance, which would make the control fail for a reason unrelated to locality."""
     i = torch.arange(length)
-    return (i[:, None] - i[None, :]) < window
+    m = (i[:, None] - i[None, :]) < window
+    if sink:
+        m[:, 0] = True
+    return m
 
 
 def build_model(cfg: StudyConfig, arm: Arm) -> GPT:
@@ -303,7 +310,7 @@ def evaluate_arm(
 ) -> dict[str, dict[str, list[int]]]:
     """Per length multiple: ``correct`` (0/1) and ``distance`` of every scored query; cached in
     ``rd/eval-<rule>.json``. ``p`` set = evaluate with lssar at that p (eval-only re-weighting)."""
-    rule = ("window" if arm.window else "trained") if p is None else f"lssar-p{p:g}"
+    rule = ("window-sink" if arm.window else "trained") if p is None else f"lssar-p{p:g}"
     path = rd / f"eval-{rule}-{cfg.eval_seqs}.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
     if p is None:
