@@ -11,6 +11,7 @@ registration: ``import lssar.hf; lssar.hf.register()`` (or :func:`register_auto`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch import Tensor
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lssar.model import GPT, GPTConfig, rope_cache
+from lssar.model import GPT, GPTConfig
 
 MODEL_TYPE = "lssar-gpt"
 TOKENIZER_INFO = "lssar_tokenizer.json"
@@ -71,19 +72,8 @@ class LssarGPTConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def gpt_config(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab_size,
-            n_layer=self.n_layer,
-            n_head=self.n_head,
-            n_kv_head=self.n_kv_head,
-            n_embd=self.n_embd,
-            mlp_ratio=self.mlp_ratio,
-            dropout=self.dropout,
-            rope_base=self.rope_base,
-            attn=self.attn,
-            attn_options=dict(self.attn_options),
-            attn_impl=self.attn_impl,
-        )
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)}
+        return GPTConfig(**fields | {"attn_options": dict(self.attn_options)})
 
 
 def _output(**fields: Any) -> CausalLMOutputWithPast:
@@ -145,20 +135,10 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> LssarGPTForCausalLM:
         """Wrap a trained :class:`GPT` (weights copied, attention rule kept)."""
         register_auto()
-        c = model.cfg
-        name, options, impl = model.attn_spec
+        name, options, impl = model.attn_spec  # the rule in use, which may differ from cfg's
+        fields = {f.name: getattr(model.cfg, f.name) for f in dataclasses.fields(GPTConfig)}
         config = LssarGPTConfig(
-            vocab_size=c.vocab_size,
-            n_layer=c.n_layer,
-            n_head=c.n_head,
-            n_kv_head=c.n_kv_head,
-            n_embd=c.n_embd,
-            mlp_ratio=c.mlp_ratio,
-            dropout=c.dropout,
-            rope_base=c.rope_base,
-            attn=name,
-            attn_options=options,
-            attn_impl=impl,
+            **fields | {"attn": name, "attn_options": options, "attn_impl": impl},
             lssar_tokenizer=tokenizer,
             train_seq_len=train_seq_len,
             **kw,
@@ -168,15 +148,6 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
         if missing or unexpected:
             raise ValueError(f"GPT weights do not fit: missing {missing}, unexpected {unexpected}")
         return hf.to(next(model.parameters()).dtype).eval()
-
-    def _attend(
-        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None, cache: Any
-    ) -> Tensor:
-        """Block ``layer``'s attention on ``x (B, T, C)`` with a key padding mask
-        ``(B, 1, 1, T_k)`` (combined with causal, so N_i counts real keys) and an HF cache."""
-        attn = self.gpt.blocks[layer].attn
-        adapter = None if cache is None else _CacheAdapter(cache)
-        return attn(x, cos, sin, self.gpt.attn_spec, adapter, layer, attn_mask=key_mask)
 
     def forward(
         self,
@@ -232,14 +203,9 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
                 position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, past + t, device=inputs_embeds.device)[None]
-        cos, sin = rope_cache(self.config.head_dim, position_ids.reshape(-1), self.config.rope_base)
-        cos = cos.view(position_ids.shape[0], 1, t, -1)  # (B|1, 1, T, D/2)
-        sin = sin.view(position_ids.shape[0], 1, t, -1)
-        h = self.gpt.drop(inputs_embeds)
-        for i, block in enumerate(self.gpt.blocks):
-            h = h + self._attend(i, block.ln1(h), cos, sin, key_mask, cache)
-            h = h + block.mlp(block.ln2(h))
-        h = self.gpt.ln_f(h)
+        # the key padding mask (B, 1, 1, T_k) is combined with causal, so N_i counts real keys
+        adapter = None if cache is None else _CacheAdapter(cache)
+        h = self.gpt.body(inputs_embeds, cache=adapter, attn_mask=key_mask, positions=position_ids)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.gpt.head(h)

@@ -247,12 +247,17 @@ class GPT(nn.Module):
     ) -> Tensor:
         """Run the blocks on embeddings ``h (B, T, C)`` at absolute positions ``pos..pos+T``.
 
-        ``positions (T,)`` overrides the RoPE positions; ``attn_mask`` (bool, broadcastable to
-        ``(B, H, T, T_k)``, True = may attend) is combined with the causal mask in every layer.
+        ``positions`` (``(T,)``, or ``(B|1, T)`` per row) overrides the RoPE positions;
+        ``attn_mask`` (bool, broadcastable to ``(B, H, T, T_k)``, True = may attend) is combined
+        with the causal mask in every layer.
         """
         if positions is None:
             positions = torch.arange(pos, pos + h.shape[1], device=h.device)
-        cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, positions, self.cfg.rope_base)
+        head_dim = self.cfg.n_embd // self.cfg.n_head
+        cos, sin = rope_cache(head_dim, positions.reshape(-1), self.cfg.rope_base)
+        if positions.dim() == 2:  # per row: (B|1, 1, T, D/2), broadcast over the heads
+            cos = cos.view(positions.shape[0], 1, positions.shape[1], -1)
+            sin = sin.view(positions.shape[0], 1, positions.shape[1], -1)
         h = self.drop(h)
         for i, block in enumerate(self.blocks):
             h = block(h, cos, sin, self.attn_spec, cache, i, weights, attn_mask)
