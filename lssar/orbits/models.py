@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from lssar.model import GPT, Attention, GPTConfig
+from lssar.model import GPT, GPTConfig
 
 FORMATS = ("continuous", "discrete")
 
@@ -45,33 +45,6 @@ def sliding_window_mask(n: int, window: int, device: torch.device | None = None)
     i = torch.arange(n, device=device)[:, None]
     j = torch.arange(n, device=device)[None, :]
     return (j <= i) & (i - j < window)
-
-
-class WindowedAttention(Attention):
-    """:class:`lssar.model.Attention` restricted to a causal sliding window of ``self.window``
-    keys (the locality control). Instances are made by re-classing a built ``Attention`` (see
-    :class:`OrbitGPT`), so a windowed model has exactly the initial weights of its unwindowed
-    twin built from the same seed."""
-
-    window: int
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        spec: tuple[str, dict, str],
-        cache: Any = None,
-        layer: int = 0,
-        weights: list | None = None,
-        attn_mask: Tensor | None = None,
-    ) -> Tensor:
-        """``x (B, T, C)`` -> ``(B, T, C)``; no KV cache (the experiment never generates)."""
-        if cache is not None:
-            raise ValueError("WindowedAttention does not support a KV cache")
-        window = sliding_window_mask(x.shape[1], self.window, x.device)  # (T, T)
-        mask = window if attn_mask is None else window & attn_mask
-        return super().forward(x, cos, sin, spec, None, layer, weights, attn_mask=mask)
 
 
 @dataclass
@@ -114,11 +87,7 @@ class OrbitGPT(nn.Module):
             )
         )
         del trunk.wte, trunk.head  # token table and LM head are replaced by ours
-        if cfg.window is not None:
-            for block in trunk.blocks:
-                block.attn.__class__ = WindowedAttention
-                block.attn.window = int(cfg.window)
-        self.trunk = trunk
+        self.trunk = trunk  # a windowed model has exactly the weights of its unwindowed twin
         C = cfg.n_embd
         self.special = nn.Embedding(max(cfg.n_special, 2), C)
         if cfg.fmt == "continuous":
@@ -144,7 +113,10 @@ class OrbitGPT(nn.Module):
         return h
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
-        return self.trunk.body(self.embed(batch))  # (B, L, C)
+        h = self.embed(batch)
+        window = self.cfg.window  # the locality control: a causal sliding window in every layer
+        mask = None if window is None else sliding_window_mask(h.shape[1], int(window), h.device)
+        return self.trunk.body(h, attn_mask=mask)  # (B, L, C)
 
     @property
     def first_target(self) -> int:
