@@ -1,15 +1,20 @@
 """Training configuration: dataclass defaults < ``configs/<preset>.toml`` < ``--key=value``.
 
 Every field of :class:`TrainConfig` is a flag; values are parsed to the field's type and unknown
-keys are errors that suggest the closest names.
+keys are errors that suggest the closest names. :func:`parse_overrides` (``--key=value`` strings
+to raw values) and :func:`parse_value` (a raw value to a field's type) are the one override
+parser of the package: ``lssar train``, ``lssar reproduce`` and ``lssar orbits --set`` use them.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import sys
+import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,11 +98,56 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
 
 
-def _parse(key: str, value: Any, tp: Any) -> Any:
-    """``value`` (a string from the command line, or a TOML/dict value) as the field's type."""
-    args = typing.get_args(tp)
+def parse_overrides(items: Sequence[str], cli: bool = False) -> dict[str, str]:
+    """``"--key=value"`` / ``"key=value"`` strings -> ``{key: raw value}``, in order (the last
+    of a repeated key wins). Dashes in keys become underscores (``--max-steps`` = ``--max_steps``).
+
+    ``cli=True`` reads the rest of a command line: every setting starts with ``--``, ``--key
+    value`` works too, and a bare ``--flag`` means ``true`` (a boolean switched on).
+    """
+    out, i = {}, 0
+    while i < len(items):
+        item = items[i]
+        if cli:
+            if not item.startswith("--"):
+                raise ValueError(f"unexpected argument {item!r}: settings are --key=value")
+            if "=" not in item and i + 1 < len(items) and not items[i + 1].startswith("--"):
+                item, i = f"{item}={items[i + 1]}", i + 1  # "--key value"
+            elif "=" not in item:
+                item = f"{item}=true"  # a bare flag switches a boolean on
+        key, eq, value = item.removeprefix("--").partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not key:
+            raise ValueError(f"override {item!r}: expected --key=value")
+        out[key] = value
+        i += 1
+    return out
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def parse_value(key: str, value: Any, tp: Any) -> Any:
+    """``value`` (a string from the command line, or a TOML/dict value) as type ``tp``.
+
+    Scalars (``bool``, ``int``, ``float``, ``str``, optionally ``| None``) are checked; a string
+    for any other type (tuples, lists, dicts, unions of several types) is read as a Python
+    literal (``(0.5, 2.0)``), or kept as the string if it is none, for the caller to validate.
+    """
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    args = typing.get_args(tp) if union else ()
     optional = type(None) in args
-    base = next(a for a in args if a is not type(None)) if args else tp
+    rest = [a for a in args if a is not type(None)] if union else [tp]
+    base = rest[0]
+    if len(rest) != 1 or base not in _SCALARS:
+        if not isinstance(value, str):
+            return value
+        if optional and value.strip().lower() in ("none", "null", ""):
+            return None
+        try:
+            return ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            return value
     want = f"{base.__name__}{' or none' if optional else ''}"
     if isinstance(value, str) and optional and value.strip().lower() in ("none", "null", ""):
         return None
@@ -119,16 +169,16 @@ def _parse(key: str, value: Any, tp: Any) -> Any:
 
 
 def _coerce(values: dict[str, Any], source: str) -> dict[str, Any]:
-    types = typing.get_type_hints(TrainConfig)
+    hints = typing.get_type_hints(TrainConfig)
     out = {}
     for key, value in values.items():
-        if key not in types:
-            close = difflib.get_close_matches(key, list(types), n=3)
+        if key not in hints:
+            close = difflib.get_close_matches(key, list(hints), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ValueError(
                 f"unknown config key {key!r} in {source}{hint}; `lssar train --help` lists them"
             )
-        out[key] = _parse(key, value, types[key])
+        out[key] = parse_value(key, value, hints[key])
     return out
 
 
@@ -167,13 +217,7 @@ def load_config(
     if isinstance(overrides, dict):
         values |= _coerce(overrides, "overrides")
     else:
-        pairs = {}
-        for item in overrides or []:
-            key, eq, value = item.removeprefix("--").partition("=")
-            if not eq or not key:
-                raise ValueError(f"override {item!r}: expected --key=value")
-            pairs[key.replace("-", "_")] = value
-        values |= _coerce(pairs, "the overrides")
+        values |= _coerce(parse_overrides(overrides or []), "the overrides")
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg

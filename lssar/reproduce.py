@@ -125,7 +125,7 @@ def reproduce(
     overrides: list[str] | None = None,
 ) -> Path:
     """Train + evaluate every arm of ``preset_name``; returns the report directory."""
-    from lssar.config import load_config
+    from lssar.config import load_config, parse_overrides
     from lssar.train import train
 
     if preset_name not in PRESETS:
@@ -145,7 +145,7 @@ def reproduce(
                     "seed": seed,
                     "out_dir": str(runs_dir),
                     "run_name": _run_name(preset.train_preset, attn, p, seed),
-                    **_kv(overrides),
+                    **parse_overrides(overrides or []),
                 },
             )
             print(f"== {arm_name(attn, p)} (seed {seed})", flush=True)
@@ -168,16 +168,6 @@ def reproduce(
     stamp = dt.date.today().isoformat()
     out = Path(reports_dir) / f"{preset_name}-{stamp}"
     write_report(preset_name, preset, results, out, time.time() - started)
-    return out
-
-
-def _kv(overrides: list[str] | None) -> dict[str, str]:
-    out = {}
-    for o in overrides or []:
-        key, sep, value = o.lstrip("-").partition("=")
-        if not sep:
-            raise ValueError(f"override {o!r} must look like --key=value")
-        out[key] = value
     return out
 
 

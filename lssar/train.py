@@ -33,6 +33,7 @@ from lssar.config import (
     list_presets,
     load_config,
     model_config,
+    parse_overrides,
     validate,
 )
 from lssar.model import GPT
@@ -366,18 +367,7 @@ def train_cli(argv: list[str]) -> int:
     )
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     args, rest = ap.parse_known_args(argv)
-    overrides, i = [], 0
-    while i < len(rest):
-        item = rest[i]
-        if not item.startswith("--"):
-            raise ValueError(f"unexpected argument {item!r}: settings are --key=value")
-        if "=" not in item and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-            item, i = f"{item}={rest[i + 1]}", i + 1  # "--key value"
-        elif "=" not in item:
-            item = f"{item}=true"  # a bare flag switches a boolean on
-        overrides.append(item)
-        i += 1
-    cfg = load_config(args.preset, overrides)
+    cfg = load_config(args.preset, parse_overrides(rest, cli=True))
     train(cfg, resume=args.resume, progress=args.progress)
     return 0
 

@@ -210,6 +210,16 @@ def test_bad_names_raise_clear_errors(tmp_path, capsys):
     assert "valid presets" in err and "'bogus'" in err and err.count("\n") == 2
 
 
+def test_set_overrides_are_typed():
+    got = ex.parse_set(["data.m1_range=(2.0, 1.0)", "pretrain_steps=100", "sr_budget_s=5"])
+    assert got == {"data.m1_range": (2.0, 1.0), "pretrain_steps": 100, "sr_budget_s": 5.0}
+    assert isinstance(got["sr_budget_s"], float)
+    with pytest.raises(ValueError, match="pretrain_steps: expected int"):
+        ex.parse_set(["pretrain_steps=many"])
+    with pytest.raises(ValueError, match="expected --key=value"):
+        ex.parse_set(["pretrain_steps"])
+
+
 def test_impossible_orbits_surface_kepler_message(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"e_max must be in \[0, 1\)"):
         ex.run_experiment(

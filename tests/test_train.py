@@ -111,6 +111,22 @@ def test_config_errors(preset: str | None, overrides, match: str) -> None:
         load_config(preset, overrides)
 
 
+def test_override_parser() -> None:
+    from lssar.config import parse_overrides, parse_value
+
+    argv = ["--max-steps", "5", "--compile", "--lr=0.1", "--attn_p=none"]
+    want = {"max_steps": "5", "compile": "true", "lr": "0.1", "attn_p": "none"}
+    assert parse_overrides(argv, cli=True) == want
+    assert parse_overrides(["max_steps=5", "--max_steps=6"]) == {"max_steps": "6"}
+    with pytest.raises(ValueError, match="settings are --key=value"):
+        parse_overrides(["max_steps=5"], cli=True)
+    assert parse_value("k", "3", float) == 3.0 and parse_value("k", "none", int | None) is None
+    assert parse_value("k", "(0.5, 2.0)", tuple[float, float]) == (0.5, 2.0)
+    assert parse_value("k", "[0, 1]", list[int]) == [0, 1]
+    with pytest.raises(ValueError, match="k: expected int"):
+        parse_value("k", "1.5", int)
+
+
 def test_lr_schedule() -> None:
     cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)

@@ -21,7 +21,6 @@ and recomputes only what a change of settings invalidates. The report
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import datetime as dt
 import hashlib
@@ -29,6 +28,7 @@ import io
 import json
 import os
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lssar.config import parse_overrides, parse_value
 from lssar.orbits import kepler, symreg
 from lssar.orbits.models import (
     FORMATS,
@@ -579,11 +580,16 @@ def run_experiment(
     return {"report": report, "results": results, "computed": runner.computed, "seconds": seconds}
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set`` items (``field=value``, ``data.field=value``) parsed to the fields' types by
+    :func:`lssar.config.parse_value` (tuples and lists as Python literals)."""
+    fields = typing.get_type_hints(Preset)
+    data_fields = typing.get_type_hints(kepler.OrbitConfig)
+    out = {}
+    for k, v in parse_overrides(items).items():
+        tp = data_fields.get(k[5:], Any) if k.startswith("data.") else fields.get(k, Any)
+        out[k] = parse_value(k, v, tp)
+    return out
 
 
 def cli(argv: list[str]) -> int:
@@ -621,12 +627,7 @@ def cli(argv: list[str]) -> int:
     )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        overrides[k.strip()] = _parse_value(v)
+    overrides = parse_set(args.set)
     try:
         seeds = None if args.seeds is None else [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
