@@ -14,9 +14,14 @@ from lssar.recall.task import BOS, IGNORE, QUERY, RecallTask
 TASK = RecallTask(train_len=64, n_pairs=6, n_queries=4, n_keys=16, n_values=16, n_filler=8)
 
 
+@pytest.mark.parametrize("order", ["kv", "vk"])
 @pytest.mark.parametrize("length", [64, 128, 256, 1024])
-def test_generator_invariants(length):
-    b = TASK.batch(seed=(3, length), length=length, size=20)
+def test_generator_invariants(length, order):
+    import dataclasses
+
+    task = dataclasses.replace(TASK, pair_order=order)
+    step = 1 if order == "kv" else -1  # where a key's value sits
+    b = task.batch(seed=(3, length), length=length, size=20)
     tok, tgt = b["tokens"].numpy(), b["targets"].numpy()
     assert tok.shape == (20, length) and tgt.shape == (20, length)  # lengths exact
     assert tok.min() >= 0 and tok.max() < TASK.vocab_size
@@ -28,7 +33,7 @@ def test_generator_invariants(length):
         ctx = t[: length - 3 * m]
         keys = ctx[is_key[s, : length - 3 * m]]
         assert len(keys) == TASK.n_pairs and len(set(keys.tolist())) == TASK.n_pairs  # no reuse
-        pairs = {int(ctx[i]): int(ctx[i + 1]) for i in np.flatnonzero(is_key[s, : len(ctx)])}
+        pairs = {int(ctx[i]): int(ctx[i + step]) for i in np.flatnonzero(is_key[s, : len(ctx)])}
         assert len(set(pairs.values())) == TASK.n_pairs  # pairs distinct
         assert all(TASK.value0 <= v < TASK.filler0 for v in pairs.values())
         block = t[length - 3 * m :].reshape(m, 3)
@@ -64,6 +69,7 @@ def test_generator_deterministic_from_seed():
         (dict(n_pairs=40, n_keys=32), "n_pairs"),
         (dict(n_queries=9, n_pairs=8), "n_queries"),
         (dict(train_len=20, n_pairs=8, n_queries=4), "train_len"),
+        (dict(pair_order="kk"), "pair_order"),
     ],
 )
 def test_bad_task(kwargs, name):

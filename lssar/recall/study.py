@@ -69,10 +69,11 @@ def eval_label(arm: Arm, p: float | None) -> str:
 class StudyConfig:
     """Everything a study depends on (the task, the model, the optimisation, the evaluation)."""
 
-    # the pilot's task (PILOT.md): L = 32, 4 pairs, 4 queries, 16 keys, 16 values, 8 fillers
+    # L = 32, 6 pairs, 4 queries (n > m: with n = m the last query is answerable by elimination,
+    # which the pilot's models learned instead of retrieval), 16 keys, 16 values, 8 fillers
     task: RecallTask = field(
         default_factory=lambda: RecallTask(
-            train_len=32, n_pairs=4, n_queries=4, n_keys=16, n_values=16, n_filler=8
+            train_len=32, n_pairs=6, n_queries=4, n_keys=16, n_values=16, n_filler=8
         )
     )
     arms: tuple[str, ...] = ("softmax", "lssa", "lssar p=15", "window")
@@ -81,7 +82,7 @@ class StudyConfig:
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 64
-    steps: int = 1000
+    steps: int = 2000
     batch_size: int = 64
     lr: float = 3e-3
     warmup: int = 50

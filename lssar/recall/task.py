@@ -13,8 +13,9 @@ A sequence of exactly ``length`` tokens is::
     BOS  f f k1 v1 f f f k2 v2 f ... f  |  QUERY ka va  QUERY kb vb ...  (m queries)
          <------------ context ------->    <-------- 3 m tokens ------->
 
-``n`` distinct keys, each with its own (distinct) value, sit as adjacent ``key value`` pairs at
-random positions in uniform random filler; the last ``3 m`` tokens ask ``m`` distinct keys of
+``n`` distinct keys, each with its own (distinct) value, sit as adjacent ``key value`` pairs
+(``pair_order="kv"``, the default; ``"vk"`` stores them as ``value key``) at random
+positions in uniform random filler; the last ``3 m`` tokens ask ``m`` distinct keys of
 those pairs. The model is scored only where it must emit a value: at the position of each
 queried key its next-token prediction must be the paired value (``targets`` is ``IGNORE``
 everywhere else). No key appears twice in the context; the query block repeats the queried keys.
@@ -28,6 +29,11 @@ evaluation sequence) the *queried* pairs are stratified so both buckets are meas
 length: the first ``ceil(m / 2)`` queried keys are placed within ``train_len`` of the query
 block, the rest beyond it (uniformly inside each region); unqueried pairs are uniform over the
 whole context. So "all" at 2x..16x is an equal mix of the two buckets, not a uniform placement.
+
+Pair order. With ``kv`` the answering layer must match the query key against the *previous
+token* of each value (information a first layer has to move there); with ``vk`` it matches the
+key token itself and reads what a first layer copied onto it. Both need a two-layer circuit; in
+the pilot (reports/recall-quick-2026-12-01/PILOT.md) neither formed it within the CPU budget.
 
 Everything is a function of ``(seed, index)``: the same seed gives the same batch on every
 machine, so runs resume exactly and every arm is scored on the same sequences.
@@ -55,8 +61,11 @@ class RecallTask:
     n_keys: int = 32
     n_values: int = 32
     n_filler: int = 16
+    pair_order: str = "kv"  # "kv": key then value; "vk": value then key (see the docstring)
 
     def __post_init__(self) -> None:
+        if self.pair_order not in ("kv", "vk"):
+            raise ValueError(f"pair_order={self.pair_order!r}: use 'kv' or 'vk'")
         for name in ("train_len", "n_pairs", "n_queries", "n_keys", "n_values", "n_filler"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -125,11 +134,12 @@ class RecallTask:
         stratify = length > self.train_len
         n_within = math.ceil(m / 2)
         order = list(queried) + [i for i in range(n) if i not in set(queried.tolist())]
+        off = 0 if self.pair_order == "kv" else 1  # key's offset inside its pair
         for rank, i in enumerate(order):
             ok = free[:-1] & free[1:]
             if stratify and rank < m:
                 q = query_pos[rank]
-                d = q - starts
+                d = q - (starts + off)
                 # within: the key sits < train_len before its query; beyond: >= train_len
                 ok &= (d < self.train_len) if rank < n_within else (d >= self.train_len)
             cand = np.flatnonzero(ok)
@@ -140,8 +150,8 @@ class RecallTask:
                 )
             s = int(rng.choice(cand))
             free[s : s + 2] = False
-            key_pos[i] = s
-            tokens[s], tokens[s + 1] = keys[i], values[i]
+            key_pos[i] = s + off
+            tokens[s + off], tokens[s + 1 - off] = keys[i], values[i]
         for j, i in enumerate(queried):
             p = query_pos[j]
             tokens[p - 1], tokens[p], tokens[p + 1] = QUERY, keys[i], values[i]
