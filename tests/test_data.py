@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from lssar import data
 from lssar.data import (
     default_corpus_files,
     get_batch,
@@ -19,6 +18,7 @@ from lssar.data import (
     load_split,
     prepare,
     read_manifest,
+    shards,
 )
 
 WORDS = "the a king queen sword crown night day love death speak hear fair foul ho".split()
@@ -194,7 +194,7 @@ def test_interrupted_run_is_redone_cleanly(corpus_dir, tmp_path: Path, monkeypat
     clean = prepare(
         str(root), "byte", out_dir=tmp_path / "clean", shard_tokens=2000, progress=False
     )
-    real_write, calls = data._write_shard, []
+    real_write, calls = shards._write_shard, []
 
     def dying_write(path, arr):
         calls.append(path)
@@ -202,7 +202,7 @@ def test_interrupted_run_is_redone_cleanly(corpus_dir, tmp_path: Path, monkeypat
             raise KeyboardInterrupt
         return real_write(path, arr)
 
-    monkeypatch.setattr(data, "_write_shard", dying_write)
+    monkeypatch.setattr(shards, "_write_shard", dying_write)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         prepare(str(root), "byte", out_dir=out, shard_tokens=2000, progress=False)
