@@ -140,6 +140,13 @@ def write_report(
         "mean only) and [scored queries per seed].",
         "",
     ]
+    lines += [
+        f"Chance: answering with a random one of the {task['n_pairs']} values in the sequence "
+        f"scores {100 / task['n_pairs']:.1f}%; fewer visible values (the window control) raise it.",
+        "",
+    ]
+    if (out / "PILOT.md").exists():
+        lines += ["The pilot that sized this study: [PILOT.md](PILOT.md).", ""]
     if one_seed:
         lines += [
             "**One seed: no confidence intervals are available, so no verdict below is "
