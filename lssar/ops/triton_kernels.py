@@ -703,6 +703,14 @@ def _inv_norm(x: Tensor) -> Tensor:
     return (1.0 / norm.clamp_min(NORM_EPS)).contiguous()
 
 
+def _unit_scale(x: Tensor) -> Tensor:
+    # by a power of two near the largest entry: exact in every dtype, so no rounding is added
+    big = x.detach().abs().amax(-1, keepdim=True).to(torch.float32)
+    ok = (big > 0) & torch.isfinite(big)
+    pow2 = torch.exp2(torch.floor(torch.log2(torch.where(ok, big, 1.0))))
+    return (x.to(torch.float32) / pow2).to(x.dtype)
+
+
 def _unnormalise_grad(x: Tensor, g_fix: Tensor) -> Tensor:
     """Gradient through ``x_hat = x / max(||x||, eps)`` from the fixed-norm gradient ``g_fix``.
 
@@ -713,7 +721,7 @@ def _unnormalise_grad(x: Tensor, g_fix: Tensor) -> Tensor:
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
     x_hat = xf / norm.clamp_min(NORM_EPS)
     radial = (x_hat * g_fix).sum(-1, keepdim=True) * (norm > NORM_EPS)
-    return g_fix - x_hat * radial
+    return torch.where(norm > 0, g_fix - x_hat * radial, 0.0)  # a zero vector: zero gradient
 
 
 class _Launch:
@@ -958,6 +966,9 @@ def triton_attention(
         raise ValueError(f"impl='triton' supports head dims up to {MAX_HEAD_DIM}, got {d}, {dv}")
     c, log_n = variant.softplus_scale(d, scale)
     p = options.get("p")
+    if variant.qk_norm:  # divide by the largest entry first: the in-kernel norm then sees
+        # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant
+        query, key = _unit_scale(query), _unit_scale(key)
     out, _ = triton_softplus_attention_op(
         query,
         key,
