@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lssar.model import GPTConfig, check_attention
+from lssar.model import GPTConfig
+from lssar.spec import AttentionSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,9 +31,12 @@ else:  # Python 3.10
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-# GPTConfig fields that TrainConfig holds under the same name (vocab_size comes from the data).
+# GPTConfig fields that TrainConfig holds under the same name (vocab_size comes from the data,
+# the attention from TrainConfig.attention).
 _MODEL_KEYS = [
-    f.name for f in dataclasses.fields(GPTConfig) if f.name not in ("vocab_size", "attn_options")
+    f.name
+    for f in dataclasses.fields(GPTConfig)
+    if f.name not in ("vocab_size", "attn", "attn_options", "attn_impl")
 ]
 _POSITIVE = "n_layer seq_len batch_size grad_accum max_steps eval_every ckpt_every log_every"
 # Fields that change how a run is watched or where it lives, not what it computes: a resumed run
@@ -88,6 +92,11 @@ class TrainConfig:
     run_name: str | None = None  # None -> f"{preset or 'custom'}-{attn}[-p{p}]-s{seed}"
     preset: str | None = None
     max_time_s: float | None = None  # wall-clock budget: checkpoint and stop when exceeded
+
+    @property
+    def attention(self) -> AttentionSpec:
+        """``attn`` + ``attn_p`` + ``attn_impl`` as one spec (validated)."""
+        return AttentionSpec.from_config(self)
 
 
 # ------------------------------------------------------------------------------------ config
@@ -223,19 +232,15 @@ def load_config(
     return cfg
 
 
-def attn_options(cfg: TrainConfig) -> dict[str, Any]:
-    return {} if cfg.attn_p is None else {"p": cfg.attn_p}
-
-
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     """The :class:`GPTConfig` of ``cfg`` for a dataset with ``vocab_size`` tokens."""
     shared = {k: getattr(cfg, k) for k in _MODEL_KEYS}
-    return GPTConfig(vocab_size=vocab_size, attn_options=attn_options(cfg), **shared)
+    return GPTConfig(vocab_size=vocab_size, **shared | cfg.attention.to_config())
 
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ``ValueError`` naming the first setting that cannot work."""
-    check_attention(cfg.attn, attn_options(cfg), cfg.attn_impl)
+    _ = cfg.attention  # attn, attn_p and attn_impl first: the likeliest mistakes
     model_config(cfg, 256)  # shape checks (heads divide width, even head dim)
     for key in _POSITIVE.split():
         if getattr(cfg, key) < 1:
@@ -254,5 +259,4 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def default_run_name(cfg: TrainConfig) -> str:
-    p = "" if cfg.attn_p is None else f"-p{cfg.attn_p:g}"
-    return f"{Path(cfg.preset).stem if cfg.preset else 'custom'}-{cfg.attn}{p}-s{cfg.seed}"
+    return f"{Path(cfg.preset).stem if cfg.preset else 'custom'}-{cfg.attention.slug()}-s{cfg.seed}"

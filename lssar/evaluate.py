@@ -3,8 +3,10 @@
 ``lssar eval RUN`` evaluates a trained run at multiples of its training length (default 1x..16x)
 on the same budget of validation tokens at every length, with the memory-efficient kernels, and
 optionally with another attention rule than the one trained (``--attn lssar --attn-p 15`` on an
-LSSA-trained model is the paper's fine-tuning-free re-weighting). Writes ``eval/<tag>/`` in the
-run directory: ``results.json``, ``results.md`` and PNG plots.
+LSSA-trained model is the paper's fine-tuning-free re-weighting; the switch follows
+:meth:`lssar.spec.AttentionSpec.override`, as in ``lssar sample`` and ``lssar lm-eval``: the
+trained impl is kept where it runs the new rule). Writes ``eval/<tag>/`` in the run directory:
+``results.json``, ``results.md`` and PNG plots.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tqdm.auto import tqdm
 from lssar.data import get_tokenizer, iter_eval_windows, load_split
 from lssar.model import GPT
 from lssar.runio import atomic_write
+from lssar.spec import AttentionSpec, run_label
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 TOKENS_PER_BATCH = 8192  # rows per forward = this // length (memory stays flat across lengths)
@@ -283,26 +286,23 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate a run; writes ``RUN/eval/<tag>/results.json`` (+ .md, plots) and returns it.
 
-    Re-running with the same arguments reuses the saved result.
+    ``attn`` / ``attn_p`` switch the trained attention by :meth:`AttentionSpec.override`; the
+    default ``tag`` is the evaluated rule's slug (``lssar_p15``). Re-running with the same
+    arguments reuses the saved result.
     """
     from lssar.runs import load_run
 
     run_dir = Path(run_dir)
     multiples = parse_multiples(multiples or list(DEFAULT_MULTIPLES))
     model, cfg, meta = load_run(run_dir)
-    trained = cfg.attn + (f" p={cfg.attn_p:g}" if cfg.attn_p is not None else "")
-    if attn is not None or attn_p is not None:
-        name = attn or cfg.attn
-        opts = {"p": attn_p} if attn_p is not None else {}
-        try:
-            model.set_attention(name, opts)
-        except ValueError as e:
-            raise ValueError(
-                f"cannot evaluate this run with attention {name!r} {opts}: {e}"
-            ) from None
-    spec_name, spec_opts, _ = model.attn_spec
-    evaluated = spec_name + (f" p={spec_opts['p']:g}" if spec_opts.get("p") is not None else "")
-    tag = tag or evaluated.replace(" ", "_").replace("=", "")
+    trained = cfg.attention.label
+    try:
+        model.set_attention(model.attn_spec.override(attn, p=attn_p))
+    except ValueError as e:
+        what = f"{attn or cfg.attn!r}" + ("" if attn_p is None else f" p={attn_p:g}")
+        raise ValueError(f"cannot evaluate this run with attention {what}: {e}") from None
+    evaluated = model.attn_spec.label
+    tag = tag or model.attn_spec.slug("_")
     out_dir = run_dir / "eval" / tag
     settings = {
         "multiples": multiples,
@@ -463,9 +463,8 @@ def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def label_of(r: dict[str, Any]) -> str:
-    if r["trained_attention"] == r["evaluated_attention"]:
-        return r["trained_attention"]
-    return f"{r['trained_attention']} -> {r['evaluated_attention']}"
+    """The result's attention label (:func:`lssar.spec.run_label`)."""
+    return run_label(r["trained_attention"], r["evaluated_attention"])
 
 
 def cli(argv: list[str]) -> int:
@@ -500,6 +499,7 @@ def cli(argv: list[str]) -> int:
         tag=args.tag,
     )
     print(results_markdown(r))
-    tag = args.tag or r["evaluated_attention"].replace(" ", "_").replace("=", "")
+    spec = AttentionSpec.from_config(r["config"]).override(args.attn, p=args.attn_p)
+    tag = args.tag or spec.slug("_")
     print(f"saved to {run / 'eval' / tag}")
     return 0

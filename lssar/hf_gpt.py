@@ -135,10 +135,9 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> LssarGPTForCausalLM:
         """Wrap a trained :class:`GPT` (weights copied, attention rule kept)."""
         register_auto()
-        name, options, impl = model.attn_spec  # the rule in use, which may differ from cfg's
         fields = {f.name: getattr(model.cfg, f.name) for f in dataclasses.fields(GPTConfig)}
         config = LssarGPTConfig(
-            **fields | {"attn": name, "attn_options": options, "attn_impl": impl},
+            **fields | model.attn_spec.to_config(),  # the rule in use, maybe not cfg's
             lssar_tokenizer=tokenizer,
             train_seq_len=train_seq_len,
             **kw,

@@ -71,12 +71,8 @@ class LssarLM(LM):
             raise ValueError("a model needs a tokenizer and max_length >= 2")
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if attn is not None or attn_p is not None:
-            name, options, impl = model.attn_spec
-            options = {} if attn is not None else dict(options)
-            if attn_p is not None:
-                options["p"] = float(attn_p)
-            model.set_attention(attn or name, options, impl)
+        p = None if attn_p is None else float(attn_p)
+        model.set_attention(model.attn_spec.override(attn, p=p))
         self.model = model.to(device).eval()
         self.tok, self.max_length, self.batch_size = tokenizer, int(max_length), int(batch_size)
         self._device = torch.device(device)
@@ -88,8 +84,12 @@ class LssarLM(LM):
         return self.tok.name
 
     def get_model_info(self) -> dict[str, Any]:
-        name, options, impl = self.model.attn_spec
-        return {"lssar_attn": name, "lssar_attn_options": options, "max_length": self.max_length}
+        spec = self.model.attn_spec
+        return {
+            "lssar_attn": spec.name,
+            "lssar_attn_options": dict(spec.options),
+            "max_length": self.max_length,
+        }
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Token ids of context and continuation as they tokenize together (HFLM's rule:
@@ -412,9 +412,7 @@ def cli(argv: list[str]) -> int:
         length = a.passkey_length or lm.max_length
         write_local_tasks(out / "tasks", val, tok, a.n_docs, passkey_length=length)
     results = evaluate(lm, tasks, out / "tasks", a.limit, a.num_fewshot, a.bootstrap_iters)
-    name, options, _ = lm.model.attn_spec
-    tag = name + "".join(f"-{k}{v:g}" for k, v in options.items() if isinstance(v, (int, float)))
-    path = out / f"results-{tag}.json"
+    path = out / f"results-{lm.model.attn_spec.slug()}.json"
     atomic_write(path, json.dumps(results, indent=2, default=str) + "\n")
     from lm_eval.utils import make_table
 

@@ -3,8 +3,9 @@
 Token embedding, RoPE (no learned positions, no length cap: it runs at any length), pre-norm blocks
 of attention + MLP, and a tied output head. The attention rule is chosen by name from
 ``lssar.variants()`` (``attn="softmax" | "lssa" | "lssar" | ...``, options such as ``p`` in
-``attn_options``) and may be switched after training with :meth:`GPT.set_attention` (e.g. evaluate
-an LSSA-trained model with re-weighting p=15: the paper's fine-tuning-free mode).
+``attn_options``); the model runs ``GPT.attn_spec``, an :class:`lssar.spec.AttentionSpec`, which
+may be switched after training with :meth:`GPT.set_attention` (e.g. evaluate an LSSA-trained
+model with re-weighting p=15: the paper's fine-tuning-free mode).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lssar.ops.reference import attention_weights
-from lssar.ops.registry import IMPLS, attention, get_variant
+from lssar.ops.registry import attention, get_variant
+from lssar.spec import AttentionSpec, check_attention
 
 SSMAX_S_INIT = 0.43  # Scalable-Softmax's per-head s at init (project choice)
 
@@ -48,16 +50,10 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
         check_attention(self.attn, self.attn_options, self.attn_impl)
 
-
-def check_attention(attn: str, options: dict[str, Any], impl: str = "auto") -> dict[str, Any]:
-    """Validate an attention name + options for use in the model; returns the resolved options."""
-    variant = get_variant(attn)
-    if "s" in options:
-        raise ValueError("ssmax's `s` is a learned parameter of the model, not an option")
-    resolved = variant.resolve(options)
-    if impl != "auto" and impl not in IMPLS:
-        raise ValueError(f"unknown attn_impl {impl!r}; valid: auto, {', '.join(IMPLS)}")
-    return resolved
+    @property
+    def attention(self) -> AttentionSpec:
+        """The attention the model is built with (its ``attn*`` fields as one spec)."""
+        return AttentionSpec(self.attn, self.attn_options, self.attn_impl)
 
 
 def rope_cache(head_dim: int, positions: Tensor, base: float) -> tuple[Tensor, Tensor]:
@@ -111,7 +107,7 @@ class Attention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        spec: tuple[str, dict, str],
+        spec: AttentionSpec,
         cache: KVCache | None = None,
         layer: int = 0,
         weights: list | None = None,
@@ -134,7 +130,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        name, options, impl = spec
+        name, options, impl = spec.name, spec.options, spec.impl
         if name == "ssmax":
             options = {**options, "s": self.ssmax_s}
         gqa = self.n_kv != self.n_head
@@ -187,7 +183,7 @@ class Block(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        spec,
+        spec: AttentionSpec,
         cache=None,
         layer: int = 0,
         weights: list | None = None,
@@ -209,7 +205,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
-        self.set_attention(cfg.attn, cfg.attn_options, cfg.attn_impl)
+        self.set_attention(cfg.attention)
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
@@ -221,17 +217,26 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
     def set_attention(
-        self, attn: str, options: dict[str, Any] | None = None, impl: str = "auto"
+        self, attn: AttentionSpec | str, options: dict[str, Any] | None = None, impl: str = "auto"
     ) -> None:
-        """Switch the attention rule (all layers), e.g. to evaluate with re-weighting."""
-        options = dict(options or {})
-        check_attention(attn, options, impl)
-        if attn == "ssmax" and self.cfg.attn != "ssmax":
+        """Run ``attn`` in every layer from now on, e.g. to evaluate with re-weighting.
+
+        ``attn`` is a spec (``model.set_attention(model.attn_spec.override(p=15.0))`` keeps the
+        trained impl where it can, see :meth:`AttentionSpec.override`), or a name with
+        ``options`` and ``impl``.
+        """
+        if isinstance(attn, AttentionSpec):
+            if options or impl != "auto":
+                raise ValueError("pass options and impl inside the AttentionSpec, not beside it")
+            spec = attn
+        else:
+            spec = AttentionSpec(attn, options or {}, impl)
+        if spec.name == "ssmax" and self.cfg.attn != "ssmax":
             raise ValueError(
                 "ssmax needs per-head scales learned in training; this model was trained with "
                 f"{self.cfg.attn!r}, so it cannot switch to ssmax"
             )
-        self.attn_spec = (attn, options, impl)
+        self.attn_spec = spec
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -22,29 +22,35 @@ import numpy as np
 
 from lssar.evaluate import evaluate_run, plot_results
 from lssar.runio import atomic_write
+from lssar.spec import AttentionSpec, run_label
 
-# (attention, p): the arms the paper compares (METHOD.md section 6)
+SOFTMAX, LSSA = AttentionSpec("softmax"), AttentionSpec("lssa")
+LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p": 15.0})
+# the arms the paper compares (METHOD.md section 6)
 ALL_ARMS = [
-    ("softmax", None),
-    ("sigmoid", None),
-    ("relu", None),
-    ("softplus-l1", None),
-    ("lssa", None),
-    ("lssar", 3.0),
-    ("lssar", 15.0),
-    ("softmax-qknorm-logn", None),
-    ("ssmax", None),
+    SOFTMAX,
+    AttentionSpec("sigmoid"),
+    AttentionSpec("relu"),
+    AttentionSpec("softplus-l1"),
+    LSSA,
+    LSSAR3,
+    LSSAR15,
+    AttentionSpec("softmax-qknorm-logn"),
+    AttentionSpec("ssmax"),
 ]
 
 # The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; METHOD.md section 7),
 # keyed by evaluation length / training length.
 PAPER = {
-    "softmax": {1: 3.19, 2: 4.17, 4: 5.45, 8: 6.28, 16: 7.02},
-    "sigmoid": {1: 3.19, 2: 7.46, 4: 11.84, 8: 14.50},
-    "relu": {1: 3.21, 2: 6.27, 4: 8.50, 8: 10.35},
-    "lssa": {1: 3.19, 2: 4.13, 4: 5.30, 8: 5.94},
-    "lssar p=3": {1: 3.18, 2: 4.24, 4: 5.41, 8: 6.30},
-    "lssar p=15": {1: 3.19, 2: 3.19, 4: 3.23, 8: 3.32, 16: 3.32},
+    arm.label: loss
+    for arm, loss in (
+        (SOFTMAX, {1: 3.19, 2: 4.17, 4: 5.45, 8: 6.28, 16: 7.02}),
+        (ALL_ARMS[1], {1: 3.19, 2: 7.46, 4: 11.84, 8: 14.50}),  # sigmoid
+        (ALL_ARMS[2], {1: 3.21, 2: 6.27, 4: 8.50, 8: 10.35}),  # relu
+        (LSSA, {1: 3.19, 2: 4.13, 4: 5.30, 8: 5.94}),
+        (LSSAR3, {1: 3.18, 2: 4.24, 4: 5.41, 8: 6.30}),
+        (LSSAR15, {1: 3.19, 2: 3.19, 4: 3.23, 8: 3.32, 16: 3.32}),
+    )
 }
 
 
@@ -52,7 +58,7 @@ PAPER = {
 class Preset:
     description: str
     train_preset: str
-    arms: list[tuple[str, float | None]]
+    arms: list[AttentionSpec]
     eval_reweight: list[float] = field(default_factory=list)  # p's applied to lssa at eval only
     seeds: list[int] = field(default_factory=lambda: [0])
     multiples: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
@@ -66,7 +72,7 @@ PRESETS = {
     "quick": Preset(
         "softmax, lssa, lssar p=15 and lssa with eval-time re-weighting; loss to 16x; sink/entropy",
         "tiny-cpu",
-        [("softmax", None), ("lssa", None), ("lssar", 15.0)],
+        [SOFTMAX, LSSA, LSSAR15],
         eval_reweight=[15.0],
         eval_tokens=16384,
         budget="<= 15 min on 2 CPU cores",
@@ -95,20 +101,17 @@ PRESETS = {
 }
 
 
-def arm_name(attn: str, p: float | None) -> str:
-    return attn if p is None else f"{attn} p={p:g}"
-
-
-def _run_name(preset: str, attn: str, p: float | None, seed: int) -> str:
-    return f"{preset}-{attn}" + ("" if p is None else f"-p{p:g}") + f"-s{seed}"
+def _run_name(preset: str, arm: AttentionSpec, seed: int) -> str:
+    return f"{preset}-{arm.slug()}-s{seed}"
 
 
 def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
     """The torchrun and eval commands of the paper preset (one line each)."""
     cmds = []
-    for attn, p in preset.arms:
-        name = _run_name(preset.train_preset, attn, p, 0)
-        flags = f"--attn={attn}" + ("" if p is None else f" --attn_p={p:g}")
+    for arm in preset.arms:
+        name = _run_name(preset.train_preset, arm, 0)
+        p = arm.to_train()["attn_p"]
+        flags = f"--attn={arm.name}" + ("" if p is None else f" --attn_p={p:g}")
         cmds.append(
             f"torchrun --standalone --nproc_per_node=8 -m lssar train --preset "
             f"{preset.train_preset} {flags} --out_dir={runs_dir} --run_name={name}"
@@ -136,19 +139,18 @@ def reproduce(
     started = time.time()
     results: list[dict[str, Any]] = []
     for seed in preset.seeds:
-        for attn, p in preset.arms:
+        for arm in preset.arms:
             cfg = load_config(
                 preset.train_preset,
                 {
-                    "attn": attn,
-                    "attn_p": p,
+                    **arm.to_train(),
                     "seed": seed,
                     "out_dir": str(runs_dir),
-                    "run_name": _run_name(preset.train_preset, attn, p, seed),
+                    "run_name": _run_name(preset.train_preset, arm, seed),
                     **parse_overrides(overrides or []),
                 },
             )
-            print(f"== {arm_name(attn, p)} (seed {seed})", flush=True)
+            print(f"== {arm.label} (seed {seed})", flush=True)
             run = train(cfg, resume=True, progress=progress)
             if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
                 continue
@@ -160,7 +162,7 @@ def reproduce(
                 progress=progress,
             )
             results.append(evaluate_run(run, **kw))
-            if attn == "lssa":
+            if arm.name == "lssa":
                 for q in preset.eval_reweight:  # the paper's fine-tuning-free mode
                     results.append(evaluate_run(run, attn="lssar", attn_p=q, **kw))
     if int(os.environ.get("RANK", "0")) != 0:
@@ -177,9 +179,7 @@ def reproduce(
 def _group(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in results:
-        label = r["trained_attention"]
-        if r["evaluated_attention"] != label:
-            label = f"{label} -> {r['evaluated_attention']} (eval only)"
+        label = run_label(r["trained_attention"], r["evaluated_attention"])
         groups.setdefault(label, []).append(r)
     return groups
 
@@ -209,10 +209,7 @@ def _claims(stats, multiples) -> list[str]:
     top = max(multiples)
     out = []
 
-    def get(label):
-        return stats.get(label)
-
-    soft, lssar15, lssa = get("softmax"), get("lssar p=15"), get("lssa")
+    soft, lssar15, lssa = stats.get(SOFTMAX.label), stats.get(LSSAR15.label), stats.get(LSSA.label)
     if soft and lssar15:
         r_soft = soft[top][0] / soft[1][0]
         r_lssar = lssar15[top][0] / lssar15[1][0]
@@ -245,7 +242,7 @@ def _claims(stats, multiples) -> list[str]:
             f"enough**: lssa {lssa[top][0]:.3f} vs lssar p=15 {lssar15[top][0]:.3f} at {top}x "
             f"-> **{'supported' if helps else 'contradicted'}**."
         )
-    ft = get("lssa -> lssar p=15 (eval only)")
+    ft = stats.get(run_label(LSSA, LSSAR15))
     if ft and lssa:
         helps = ft[top][0] < lssa[top][0]
         out.append(

@@ -412,12 +412,7 @@ def sample_cli(argv: list[str]) -> int:
     if a.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={a.max_new_tokens} must be >= 0")
     model, _, meta = load_run(a.run, map_location=a.device, which=a.which)
-    if a.attn is not None or a.attn_p is not None:
-        name, options, impl = model.attn_spec
-        options = {} if a.attn is not None else dict(options)
-        if a.attn_p is not None:
-            options["p"] = a.attn_p
-        model.set_attention(a.attn or name, options, impl)
+    model.set_attention(model.attn_spec.override(a.attn, p=a.attn_p))
     tok = data.get_tokenizer(meta["tokenizer"], corpus_dir=meta["data_dir"])
     ids = sample(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed)
     print(a.prompt + tok.decode(ids))

@@ -21,6 +21,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lssar.data import ByteTokenizer  # noqa: E402
 from lssar.lm_eval_tasks import LOCAL_TASKS, LssarLM, write_local_tasks  # noqa: E402
 from lssar.model import GPT, GPTConfig  # noqa: E402
+from lssar.spec import AttentionSpec  # noqa: E402
 from tests.test_hf import make_tiny_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,6 +155,6 @@ def test_lm_eval_cli_offline_on_a_run(tmp_path):
     assert 0.0 <= results["lssar_passkey_gen"]["exact_match,key"] <= 1.0
     assert main(["lm-eval", str(run), "--tasks", " , "]) == 2
     lm = LssarLM.create_from_arg_string(f"run={run},attn=lssar,attn_p=3,batch_size=2")
-    assert lm.model.attn_spec[:2] == ("lssar", {"p": 3.0}) and lm.max_length == 32
+    assert lm.model.attn_spec == AttentionSpec("lssar", {"p": 3.0}) and lm.max_length == 32
     assert main(["lm-eval", str(run), "--tasks", "lssar_nope", "--out", str(out)]) == 2
     assert main(["lm-eval", str(run), "--tasks", "lssar_passkey", "--limit", "0"]) == 2

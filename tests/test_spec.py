@@ -1,0 +1,207 @@
+"""AttentionSpec: labels, the eval-time switching rule, config forms, and old run dirs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from lssar import data, evaluate, reproduce
+from lssar.config import TrainConfig, model_config
+from lssar.lm_eval_tasks import LssarLM
+from lssar.model import GPT, GPTConfig
+from lssar.runs import load_run, save_checkpoint
+from lssar.spec import AttentionSpec, run_label
+from lssar.train import sample_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_labels_are_the_strings_reports_look_up():
+    lssar15, lssa = AttentionSpec("lssar", {"p": 15.0}), AttentionSpec("lssa")
+    assert (lssar15.label, lssa.label, AttentionSpec("lssar", {"p": 3}).label) == (
+        "lssar p=15",
+        "lssa",
+        "lssar p=3",
+    )
+    assert AttentionSpec("sigmoid-l1", {"p": 2.5, "bias": -1.0}).label == "sigmoid-l1 bias=-1 p=2.5"
+    assert AttentionSpec("lssar", {"p": 15.0}, "chunked").label == "lssar p=15"  # impl: no math
+    assert (lssar15.slug(), lssar15.slug("_"), lssa.slug()) == ("lssar-p15", "lssar_p15", "lssa")
+    assert run_label(lssa, lssar15) == "lssa -> lssar p=15 (eval only)"
+    assert run_label("lssa", "lssar p=15") == run_label(lssa, lssar15)
+    assert run_label(lssa, lssa) == run_label("lssa") == "lssa"
+    # the claims of reproduce's report are found by these labels
+    assert {"softmax", "lssa", "lssar p=3", "lssar p=15"} <= set(reproduce.PAPER)
+    assert [a.label for a in reproduce.PRESETS["quick"].arms] == ["softmax", "lssa", "lssar p=15"]
+
+
+def test_spec_is_a_validated_frozen_value():
+    a = AttentionSpec("lssar", {"p": 15.0})
+    assert a == AttentionSpec("lssar", {"p": 15}) and hash(a) == hash(
+        AttentionSpec("lssar", {"p": 15})
+    )
+    assert a != AttentionSpec("lssar", {"p": 15.0}, "reference")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.name = "lssa"  # type: ignore[misc]
+    opts = {"p": 3.0}
+    b = AttentionSpec("lssar", opts)
+    opts["p"] = 5.0
+    assert b.options == {"p": 3.0}  # its own copy
+    for bad, match in (
+        (("nope",), "unknown attention variant"),
+        (("relu", {"p": 2.0}), "takes no option 'p'"),
+        (("lssar", {}, "warp"), "unknown attn_impl"),
+        (("ssmax", {"s": 1.0}), "learned parameter"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            AttentionSpec(*bad)
+
+
+def test_override_rule():
+    trained = AttentionSpec("lssa", {}, "chunked")
+    # options on top of the trained ones; the impl kept where it runs the new rule
+    assert trained.override(p=15.0) == AttentionSpec("lssa", {"p": 15.0}, "chunked")
+    assert trained.override("lssar", p=3.0) == AttentionSpec("lssar", {"p": 3.0}, "chunked")
+    # an impl that does not run the new variant gives way to auto
+    sdpa = AttentionSpec("softmax", {}, "sdpa")
+    assert sdpa.override("lssar") == AttentionSpec("lssar", {}, "auto")
+    assert sdpa.override(p=2.0) == AttentionSpec("softmax", {"p": 2.0}, "auto")  # sdpa: no p
+    assert sdpa.override("softmax-qknorm-logn").impl == "sdpa"
+    # naming a variant starts from its defaults; None means "not given"
+    sig = AttentionSpec("sigmoid-l1", {"p": 2.0, "bias": -1.0})
+    assert sig.override(p=3.0).options == {"p": 3.0, "bias": -1.0}
+    assert sig.override("sigmoid-l1").options == {}
+    assert sig.override(None, p=None) == sig
+    assert trained.override("lssar", impl="reference").impl == "reference"
+    with pytest.raises(ValueError, match="takes no option 'p'"):
+        trained.override("relu", p=2.0)
+
+
+def test_config_forms_round_trip():
+    spec = AttentionSpec("lssar", {"p": 3.0}, "chunked")
+    assert spec.to_config() == {"attn": "lssar", "attn_options": {"p": 3.0}, "attn_impl": "chunked"}
+    assert spec.to_train() == {"attn": "lssar", "attn_p": 3.0, "attn_impl": "chunked"}
+    assert AttentionSpec.from_config(spec.to_config()) == spec
+    assert AttentionSpec.from_config(spec.to_train()) == spec
+    cfg = TrainConfig(**spec.to_train())
+    assert cfg.attention == spec == model_config(cfg, 256).attention
+    assert AttentionSpec.from_config(model_config(cfg, 256)) == spec
+    assert AttentionSpec.from_config({"attn": "lssa"}) == AttentionSpec("lssa")  # keys missing
+    with pytest.raises(ValueError, match="no field for the option"):
+        AttentionSpec("sigmoid-l1", {"bias": 0.5}).to_train()
+
+
+def test_model_runs_its_spec_and_set_attention_takes_both_forms():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, attn="lssa")).eval()
+    assert model.attn_spec == AttentionSpec("lssa")
+    x = torch.randint(0, 256, (2, 9))
+    model.set_attention("lssar", {"p": 3.0})
+    by_name = model(x)[0]
+    model.set_attention(AttentionSpec("lssar", {"p": 3.0}))
+    assert torch.equal(model(x)[0], by_name)
+    with pytest.raises(ValueError, match="inside the AttentionSpec"):
+        model.set_attention(AttentionSpec("lssar"), {"p": 3.0})
+
+
+# ----------------------------------------------------------------------- an old run dir
+
+
+def _old_run(root: Path, attn: str, attn_p: float | None, impl: str) -> Path:
+    """A run directory written by hand as the first versions wrote it (fewer config keys)."""
+    data_dir = data.prepare("shakespeare", "byte", root / "data", max_tokens=20_000, progress=False)
+    gpt_config = {
+        "vocab_size": 256,
+        "n_layer": 1,
+        "n_head": 2,
+        "n_kv_head": None,
+        "n_embd": 16,
+        "mlp_ratio": 4.0,
+        "dropout": 0.0,
+        "rope_base": 10000.0,
+        "attn": attn,
+        "attn_options": {} if attn_p is None else {"p": attn_p},
+        "attn_impl": impl,
+    }
+    config = {  # a TrainConfig of an older version: no dtype, max_time_s; an extra key
+        "corpus": "shakespeare",
+        "tokenizer": "byte",
+        "n_layer": 1,
+        "n_head": 2,
+        "n_embd": 16,
+        "attn": attn,
+        "attn_p": attn_p,
+        "attn_impl": impl,
+        "seq_len": 16,
+        "max_steps": 1,
+        "retired_key": 1,
+    }
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**gpt_config))
+    run = root / "runs" / f"old-{attn}"
+    save_checkpoint(
+        run / "ckpt" / "final.pt",
+        model=model.state_dict(),
+        step=1,
+        tokens=64,
+        val_history=[[1, 5.0]],
+        config=config,
+        gpt_config=gpt_config,
+        data_dir=str(data_dir),
+        tokenizer="byte",
+        corpus="shakespeare",
+    )
+    return run
+
+
+@pytest.fixture(scope="module")
+def old_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("old")
+    return {
+        "lssa": _old_run(root, "lssa", None, "chunked"),
+        "softmax": _old_run(root, "softmax", None, "sdpa"),
+    }
+
+
+def test_old_run_dir_loads(old_runs):
+    model, cfg, meta = load_run(old_runs["lssa"])
+    assert model.attn_spec == cfg.attention == AttentionSpec("lssa", {}, "chunked")
+    assert cfg.seq_len == 16 and meta["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "run, switch, want",
+    [
+        ("lssa", dict(attn_p=15.0), AttentionSpec("lssa", {"p": 15.0}, "chunked")),
+        ("lssa", dict(attn="lssar", attn_p=3.0), AttentionSpec("lssar", {"p": 3.0}, "chunked")),
+        ("softmax", dict(attn="lssar"), AttentionSpec("lssar", {}, "auto")),
+    ],
+)
+def test_eval_sample_and_lm_eval_switch_by_the_same_rule(old_runs, monkeypatch, run, switch, want):
+    """``lssar eval``, ``lssar sample`` and ``lssar lm-eval`` end on the same spec."""
+    seen = []
+    original = GPT.set_attention
+
+    def spy(self, *args, **kw):
+        original(self, *args, **kw)
+        seen.append(self.attn_spec)
+
+    monkeypatch.setattr(GPT, "set_attention", spy)
+    r = evaluate.evaluate_run(
+        old_runs[run],
+        [1],
+        eval_tokens=32,
+        diagnostics=False,
+        health=False,
+        progress=False,
+        **switch,
+    )
+    assert seen[-1] == want and r["evaluated_attention"] == want.label
+    assert r["trained_attention"] == run and (old_runs[run] / "eval" / want.slug("_")).is_dir()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in switch.items()]
+    assert sample_cli([str(old_runs[run]), "--max-new-tokens=2", *flags]) == 0
+    assert seen[-1] == want
+    LssarLM(run=str(old_runs[run]), **switch)
+    assert seen[-1] == want
