@@ -14,8 +14,11 @@ fine-tuned without pretraining, and the oracle (symbolic regression on the true 
 Every stage (pretraining, force probe, symbolic regression) of every arm and seed is cached in
 ``runs/orbits-<preset>/<arm>-s<seed>/`` under a hash of everything it depends on, written
 atomically, so re-running reuses finished work, resumes after a kill at the last finished stage
-and recomputes only what a change of settings invalidates. The report
+and recomputes only what a change of settings invalidates (:mod:`.cache`). The report
 (``reports/orbits-<preset>-<date>/``) is generated from those files (:mod:`.report`).
+
+This module is the runner; the arms, presets and ``--set`` parser live in :mod:`.presets` (and
+are importable from here), the networks and training loops in :mod:`.models`.
 """
 
 from __future__ import annotations
@@ -23,21 +26,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
-import hashlib
-import io
-import json
 import os
 import time
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from lssar.config import parse_overrides, parse_value
 from lssar.orbits import kepler, symreg
+from lssar.orbits.cache import key_of, load_if, save_json, save_npz, save_torch
 from lssar.orbits.models import (
     FORMATS,
     Data,
@@ -49,169 +47,33 @@ from lssar.orbits.models import (
     next_token_eval,
     pretrain,
 )
-from lssar.runio import atomic_write, environment
+from lssar.orbits.presets import (
+    ARMS,
+    PRESETS,
+    Arm,
+    Preset,
+    check_arms,
+    parse_set,
+    resolve_preset,
+)
+from lssar.runio import environment
 
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    summary: str
-    attn: str | None = None  # None: the oracle (no model)
-    attn_options: dict[str, Any] = field(default_factory=dict)
-    windowed: bool = False
-    pretrained: bool = True
-
-
-ARMS: dict[str, Arm] = {
-    a.name: a
-    for a in (
-        Arm("softmax", "softmax attention (baseline)", "softmax"),
-        Arm("lssa", "LSSA (softplus, length scale, l1; no re-weighting)", "lssa"),
-        Arm("lssar-p3", "LSSAR with re-weighting p = 3", "lssar", {"p": 3.0}),
-        Arm("lssar", "LSSAR with re-weighting p = 15 (the paper's arm)", "lssar", {"p": 15.0}),
-        Arm(
-            "softmax-local",
-            "softmax restricted to a causal sliding window (locality control)",
-            "softmax",
-            windowed=True,
-        ),
-        Arm(
-            "scratch",
-            "LSSAR p = 15, no pretraining: force head fine-tuned from random init",
-            "lssar",
-            {"p": 15.0},
-            pretrained=False,
-        ),
-        Arm("oracle", "symbolic regression on the true forces (no model)"),
-    )
-}
-
-
-@dataclass
-class Preset:
-    """Everything a run of the experiment depends on (``--set key=value`` overrides a field;
-    ``--set data.key=value`` a field of the :class:`kepler.OrbitConfig`)."""
-
-    description: str
-    budget: str
-    data_preset: str
-    data: dict[str, Any]
-    arms: list[str]
-    seeds: list[int]
-    fmt: str = "continuous"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 64
-    window: int = 8  # tokens (4 time steps) for softmax-local
-    n_bins: int = 256  # discrete format
-    pretrain_steps: int = 500
-    pretrain_batch: int = 32
-    pretrain_lr: float = 1e-3
-    finetune_steps: int = 800
-    finetune_batch: int = 32
-    finetune_lr: float = 1e-3
-    first_step: int = 8  # force targets from this step on (earlier: too little history)
-    ridge_alpha: float = 1.0
-    sr_points: int = 400
-    sr_budget_s: float = 20.0
-    n_boot: int = 200
-    tol: float = 0.1  # exponent tolerance of the criteria
-    r2_min: float = 0.95
-    device: str = "auto"
-    jobs: int = 1  # arm/seed runs in parallel processes (one torch thread each on CPU)
-
-
-PRESETS: dict[str, Preset] = {
-    "quick": Preset(
-        description="Smoke-scale check on 2 CPU cores: softmax vs LSSAR + oracle, one seed",
-        budget="~5-6 min on 2 shared CPU cores",
-        data_preset="quick",
-        data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
-        arms=["softmax", "lssar", "oracle"],
-        seeds=[0],
-    ),
-    "cpu": Preset(
-        description="All arms and controls, three seeds, CPU-sized",
-        budget="~45 min of single-core compute; ~25 min with --jobs 2 (default) on 2 free cores",
-        data_preset="cpu",
-        data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
-        arms=list(ARMS),
-        seeds=[0, 1, 2],
-        sr_budget_s=10.0,
-        jobs=2,
-    ),
-    "vafa": Preset(
-        description="Vafa et al.-like distributions (kepler preset 'vafa': solar-mass star, "
-        "exoplanet masses, a up to 32 AU, dt = 1 week or 6 months), discretised tokens; "
-        "for a GPU",
-        budget="not measured here (CPU smoke test only): expect hours on one GPU",
-        data_preset="vafa",
-        data={},
-        arms=list(ARMS),
-        seeds=[0, 1, 2],
-        fmt="discrete",
-        n_layer=8,
-        n_head=8,
-        n_embd=256,
-        n_bins=1024,
-        pretrain_steps=20000,
-        pretrain_batch=64,
-        pretrain_lr=6e-4,
-        finetune_steps=3000,
-        finetune_batch=64,
-        finetune_lr=3e-4,
-        first_step=16,
-        sr_points=1000,
-        sr_budget_s=120.0,
-    ),
-}
-
-
-# ------------------------------------------------------------------------------- helpers
-def _key(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _save_torch(path: Path, obj: Any) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write(path, buf.getvalue())
-
-
-def _save_npz(path: Path, **arrays: Any) -> None:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write(path, buf.getvalue())
-
-
-def _save_json(path: Path, obj: Any) -> None:
-    atomic_write(path, (json.dumps(obj, indent=1, default=_jsonable) + "\n").encode())
-
-
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer, np.bool_)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
-
-
-def _load_if(path: Path, key: str) -> Any:
-    """The cached object at ``path`` if it was made with ``key``, else None (stale/damaged)."""
-    if not path.exists():
-        return None
-    try:
-        if path.suffix == ".json":
-            obj = json.loads(path.read_text())
-        elif path.suffix == ".npz":
-            with np.load(path) as z:
-                obj = {k: z[k] for k in z.files}
-            obj["key"] = str(obj["key"])
-        else:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a damaged cache file is recomputed, never trusted
-        return None
-    return obj if isinstance(obj, dict) and obj.get("key") == key else None
+__all__ = [  # the settings live in .presets; imported from here as before
+    "ARMS",
+    "PRESETS",
+    "Arm",
+    "Preset",
+    "Runner",
+    "check_arms",
+    "cli",
+    "model_config",
+    "parse_set",
+    "prepare_data",
+    "resolve_preset",
+    "run_experiment",
+    "sr_points",
+    "symbolic_regression",
+]
 
 
 # ------------------------------------------------------------------------------- data
@@ -222,7 +84,7 @@ def prepare_data(p: Preset, name: str, root: Path, device: torch.device) -> Data
     manifest = kepler.make_splits(cfg, ddir)
     raw = {s: kepler.load_split(ddir, s) for s in kepler.SPLITS}
     data = encode_splits(raw, p.fmt, p.n_bins, cfg.extra.get("coord_range"), device)
-    data.key = _key({"sha256": manifest["sha256"], "fmt": p.fmt, "n_bins": p.n_bins})
+    data.key = key_of({"sha256": manifest["sha256"], "fmt": p.fmt, "n_bins": p.n_bins})
     data.info.update(config=cfg.to_json(), counts=manifest["counts"])
     return data
 
@@ -233,8 +95,8 @@ def model_config(p: Preset, arm: Arm, data: Data) -> OrbitModelConfig:
         n_layer=p.n_layer,
         n_head=p.n_head,
         n_embd=p.n_embd,
-        attn=arm.attn or "softmax",
-        attn_options=dict(arm.attn_options),
+        attn=arm.attention.name if arm.attention else "softmax",
+        attn_options=dict(arm.attention.options) if arm.attention else {},
         window=p.window if arm.windowed else None,
         fmt=p.fmt,
         n_bins=p.n_bins,
@@ -309,9 +171,9 @@ class Runner:
             k: getattr(p, k)
             for k in ("sr_points", "sr_budget_s", "n_boot", "tol", "r2_min", "first_step")
         }
-        if arm.attn is None:  # oracle: the true forces through the same pipeline
-            key = _key({"data": data.key, "sr": sr_cfg, "backend": self.backend, "seed": seed})
-            res = _load_if(d / "result.json", key)
+        if arm.attention is None:  # oracle: the true forces through the same pipeline
+            key = key_of({"data": data.key, "sr": sr_cfg, "backend": self.backend, "seed": seed})
+            res = load_if(d / "result.json", key)
             if res is None:
                 F = np.exp(data.log_f["test"][idx_s, idx_t])
                 res = {
@@ -327,7 +189,7 @@ class Runner:
                 self._finish(d, res, arm)
             return res | {"run_dir": str(d)}
         mcfg = model_config(p, arm, data)
-        k1 = _key(
+        k1 = key_of(
             {
                 "data": data.key,
                 "model": mcfg.to_json(),
@@ -337,7 +199,7 @@ class Runner:
                 else None,
             }
         )
-        k2 = _key(
+        k2 = key_of(
             {
                 "k1": k1,
                 "finetune": [p.finetune_steps, p.finetune_batch, p.finetune_lr],
@@ -345,15 +207,15 @@ class Runner:
                 "ridge_alpha": p.ridge_alpha,
             }
         )
-        k3 = _key({"k2": k2, "sr": sr_cfg, "backend": self.backend})
-        res = _load_if(d / "result.json", k3)
+        k3 = key_of({"k2": k2, "sr": sr_cfg, "backend": self.backend})
+        res = load_if(d / "result.json", k3)
         if res is not None:
             return res | {"run_dir": str(d)}
-        pred = _load_if(d / "predictions.npz", k2)
+        pred = load_if(d / "predictions.npz", k2)
         if pred is None:
             pre, pred = self._train(arm, seed, mcfg, d, k1, k2)
         else:
-            pre = _load_if(d / "pretrained.pt", k1)
+            pre = load_if(d / "pretrained.pt", k1)
         F_hat = np.exp(pred["log_f_pred"][idx_s, idx_t - p.first_step])
         sr = symbolic_regression(masses[:, 0], masses[:, 1], r, F_hat, p, seed, self.backend)
         ridge_f = np.exp(pred["log_f_ridge"][idx_s, idx_t - p.first_step])
@@ -392,7 +254,7 @@ class Runner:
     def _finish(self, d: Path, res: dict[str, Any], arm: Arm) -> None:
         sr = res["sr"]
         res["recovered_newton"] = bool(sr["gp"]["is_newton"] and sr["criteria"]["newton"])
-        _save_json(d / "result.json", res)
+        save_json(d / "result.json", res)
         self.computed.append(f"{arm.name}-s{res['seed']}:sr")
 
     def _train(
@@ -401,7 +263,7 @@ class Runner:
         p, data = self.p, self.data
         torch.manual_seed(seed)
         model = OrbitGPT(mcfg).to(self.device)
-        _save_json(
+        save_json(
             d / "config.json",
             {
                 "preset": dataclasses.asdict(p),
@@ -414,7 +276,7 @@ class Runner:
         )
         pre = None
         if arm.pretrained:
-            pre = _load_if(d / "pretrained.pt", k1)
+            pre = load_if(d / "pretrained.pt", k1)
             if pre is None:
                 t0 = time.perf_counter()
                 curve = pretrain(
@@ -440,7 +302,7 @@ class Runner:
                 if p.fmt == "continuous":
                     x = data.tokens["test"]["x"].cpu().numpy()
                     pre["baselines"] = extrapolation_baselines(x, skip, data.accel_scale)
-                _save_torch(d / "pretrained.pt", pre)
+                save_torch(d / "pretrained.pt", pre)
                 self.computed.append(f"{arm.name}-s{seed}:pretrain")
             else:
                 model.load_state_dict(pre["state"])
@@ -456,51 +318,14 @@ class Runner:
             seed * 1000 + 2,
             self.progress,
         )
-        _save_torch(d / "finetuned.pt", {"key": k2, "state": model.state_dict()})
+        save_torch(d / "finetuned.pt", {"key": k2, "state": model.state_dict()})
         pred["key"] = k2
-        _save_npz(d / "predictions.npz", **pred)
+        save_npz(d / "predictions.npz", **pred)
         self.computed.append(f"{arm.name}-s{seed}:probe")
         return pre, pred
 
 
 # ------------------------------------------------------------------------------- entry
-def resolve_preset(
-    name: str, overrides: dict[str, Any] | None = None, fmt: str | None = None
-) -> Preset:
-    """The named preset with ``overrides`` (``field`` or ``data.field`` -> value)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
-    p = dataclasses.replace(PRESETS[name], data=dict(PRESETS[name].data))
-    fields = {f.name for f in dataclasses.fields(Preset)} - {"description", "budget", "data"}
-    for k, v in (overrides or {}).items():
-        if k.startswith("data."):
-            p.data[k[5:]] = v
-        elif k in fields:
-            setattr(p, k, v)
-        else:
-            raise ValueError(
-                f"unknown setting {k!r}; valid: {', '.join(sorted(fields))}, "
-                "data.<OrbitConfig field>"
-            )
-    if fmt is not None:
-        p.fmt = fmt
-    if p.fmt not in FORMATS:
-        raise ValueError(f"unknown format {p.fmt!r}; valid: {', '.join(FORMATS)}")
-    if not 0 <= p.first_step:
-        raise ValueError("first_step must be >= 0")
-    return p
-
-
-def check_arms(arms: list[str]) -> list[str]:
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise ValueError(
-            f"unknown arm(s) {', '.join(map(repr, bad)) or '(none given)'}; "
-            f"valid arms: {', '.join(ARMS)}"
-        )
-    return list(dict.fromkeys(arms))
-
-
 def _run_job(
     name: str, p: Preset, root: Path, backend: str, device: str, arm: str, seed: int
 ) -> tuple[dict[str, Any], list[str]]:
@@ -578,18 +403,6 @@ def run_experiment(
         runner.computed,
     )
     return {"report": report, "results": results, "computed": runner.computed, "seconds": seconds}
-
-
-def parse_set(items: list[str]) -> dict[str, Any]:
-    """``--set`` items (``field=value``, ``data.field=value``) parsed to the fields' types by
-    :func:`lssar.config.parse_value` (tuples and lists as Python literals)."""
-    fields = typing.get_type_hints(Preset)
-    data_fields = typing.get_type_hints(kepler.OrbitConfig)
-    out = {}
-    for k, v in parse_overrides(items).items():
-        tp = data_fields.get(k[5:], Any) if k.startswith("data.") else fields.get(k, Any)
-        out[k] = parse_value(k, v, tp)
-    return out
 
 
 def cli(argv: list[str]) -> int:

@@ -1,0 +1,179 @@
+"""The orbits experiment's settings: its arms (:data:`ARMS`), presets (:data:`PRESETS`) and
+``--set`` overrides (:func:`parse_set`, :func:`resolve_preset`); what a run depends on, nothing
+that runs. The runner is :mod:`lssar.orbits.experiment`, its cache :mod:`lssar.orbits.cache`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from lssar.config import parse_overrides, parse_value
+from lssar.orbits import kepler
+from lssar.orbits.models import FORMATS
+from lssar.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    summary: str
+    attention: AttentionSpec | None = None  # None: the oracle (no model)
+    windowed: bool = False
+    pretrained: bool = True
+
+
+LSSAR15 = AttentionSpec("lssar", {"p": 15.0})
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        Arm("softmax", "softmax attention (baseline)", AttentionSpec("softmax")),
+        Arm("lssa", "LSSA (softplus, length scale, l1; no re-weighting)", AttentionSpec("lssa")),
+        Arm("lssar-p3", "LSSAR with re-weighting p = 3", AttentionSpec("lssar", {"p": 3.0})),
+        Arm("lssar", "LSSAR with re-weighting p = 15 (the paper's arm)", LSSAR15),
+        Arm(
+            "softmax-local",
+            "softmax restricted to a causal sliding window (locality control)",
+            AttentionSpec("softmax"),
+            windowed=True,
+        ),
+        Arm(
+            "scratch",
+            "LSSAR p = 15, no pretraining: force head fine-tuned from random init",
+            LSSAR15,
+            pretrained=False,
+        ),
+        Arm("oracle", "symbolic regression on the true forces (no model)"),
+    )
+}
+
+
+@dataclass
+class Preset:
+    """Everything a run of the experiment depends on (``--set key=value`` overrides a field;
+    ``--set data.key=value`` a field of the :class:`kepler.OrbitConfig`)."""
+
+    description: str
+    budget: str
+    data_preset: str
+    data: dict[str, Any]
+    arms: list[str]
+    seeds: list[int]
+    fmt: str = "continuous"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    window: int = 8  # tokens (4 time steps) for softmax-local
+    n_bins: int = 256  # discrete format
+    pretrain_steps: int = 500
+    pretrain_batch: int = 32
+    pretrain_lr: float = 1e-3
+    finetune_steps: int = 800
+    finetune_batch: int = 32
+    finetune_lr: float = 1e-3
+    first_step: int = 8  # force targets from this step on (earlier: too little history)
+    ridge_alpha: float = 1.0
+    sr_points: int = 400
+    sr_budget_s: float = 20.0
+    n_boot: int = 200
+    tol: float = 0.1  # exponent tolerance of the criteria
+    r2_min: float = 0.95
+    device: str = "auto"
+    jobs: int = 1  # arm/seed runs in parallel processes (one torch thread each on CPU)
+
+
+PRESETS: dict[str, Preset] = {
+    "quick": Preset(
+        description="Smoke-scale check on 2 CPU cores: softmax vs LSSAR + oracle, one seed",
+        budget="~5-6 min on 2 shared CPU cores",
+        data_preset="quick",
+        data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
+        arms=["softmax", "lssar", "oracle"],
+        seeds=[0],
+    ),
+    "cpu": Preset(
+        description="All arms and controls, three seeds, CPU-sized",
+        budget="~45 min of single-core compute; ~25 min with --jobs 2 (default) on 2 free cores",
+        data_preset="cpu",
+        data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
+        arms=list(ARMS),
+        seeds=[0, 1, 2],
+        sr_budget_s=10.0,
+        jobs=2,
+    ),
+    "vafa": Preset(
+        description="Vafa et al.-like distributions (kepler preset 'vafa': solar-mass star, "
+        "exoplanet masses, a up to 32 AU, dt = 1 week or 6 months), discretised tokens; "
+        "for a GPU",
+        budget="not measured here (CPU smoke test only): expect hours on one GPU",
+        data_preset="vafa",
+        data={},
+        arms=list(ARMS),
+        seeds=[0, 1, 2],
+        fmt="discrete",
+        n_layer=8,
+        n_head=8,
+        n_embd=256,
+        n_bins=1024,
+        pretrain_steps=20000,
+        pretrain_batch=64,
+        pretrain_lr=6e-4,
+        finetune_steps=3000,
+        finetune_batch=64,
+        finetune_lr=3e-4,
+        first_step=16,
+        sr_points=1000,
+        sr_budget_s=120.0,
+    ),
+}
+
+
+def resolve_preset(
+    name: str, overrides: dict[str, Any] | None = None, fmt: str | None = None
+) -> Preset:
+    """The named preset with ``overrides`` (``field`` or ``data.field`` -> value)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    p = dataclasses.replace(PRESETS[name], data=dict(PRESETS[name].data))
+    fields = {f.name for f in dataclasses.fields(Preset)} - {"description", "budget", "data"}
+    for k, v in (overrides or {}).items():
+        if k.startswith("data."):
+            p.data[k[5:]] = v
+        elif k in fields:
+            setattr(p, k, v)
+        else:
+            raise ValueError(
+                f"unknown setting {k!r}; valid: {', '.join(sorted(fields))}, "
+                "data.<OrbitConfig field>"
+            )
+    if fmt is not None:
+        p.fmt = fmt
+    if p.fmt not in FORMATS:
+        raise ValueError(f"unknown format {p.fmt!r}; valid: {', '.join(FORMATS)}")
+    if not 0 <= p.first_step:
+        raise ValueError("first_step must be >= 0")
+    return p
+
+
+def check_arms(arms: list[str]) -> list[str]:
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise ValueError(
+            f"unknown arm(s) {', '.join(map(repr, bad)) or '(none given)'}; "
+            f"valid arms: {', '.join(ARMS)}"
+        )
+    return list(dict.fromkeys(arms))
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set`` items (``field=value``, ``data.field=value``) parsed to the fields' types by
+    :func:`lssar.config.parse_value` (tuples and lists as Python literals)."""
+    fields = typing.get_type_hints(Preset)
+    data_fields = typing.get_type_hints(kepler.OrbitConfig)
+    out = {}
+    for k, v in parse_overrides(items).items():
+        tp = data_fields.get(k[5:], Any) if k.startswith("data.") else fields.get(k, Any)
+        out[k] = parse_value(k, v, tp)
+    return out
