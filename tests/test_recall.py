@@ -93,6 +93,7 @@ from lssar.recall.study import (  # noqa: E402
     run_dir,
     run_study,
     train_arm,
+    units,
 )
 
 TINY_TASK = RecallTask(train_len=24, n_pairs=2, n_queries=2, n_keys=8, n_values=8, n_filler=4)
@@ -116,6 +117,8 @@ def test_bad_study_input():
         tiny(multiples=(1, 0))
     with pytest.raises(ValueError, match="steps"):
         tiny(steps=0)
+    with pytest.raises(ValueError, match="jobs"):
+        tiny(jobs=0)
     from lssar.cli import main
 
     assert main(["recall", "--preset", "nope"]) == 2
@@ -125,6 +128,10 @@ def test_presets_wired():
     assert set(preset_config("cpu").arms) == set(ARMS) and len(preset_config("cpu").seeds) >= 3
     q = preset_config("quick")
     assert {"softmax", "lssa", "window"} <= set(q.arms) and len(q.seeds) == 1
+    for name in ("quick", "cpu"):  # >= 200 scored queries per (length, distance bucket) cell
+        c = preset_config(name)
+        assert c.eval_seqs * (c.task.n_queries // 2) >= 200
+    assert preset_config("cpu").task == q.task  # quick is a subset of cpu, same runs
 
 
 def test_end_to_end_rows_and_report(tmp_path):
@@ -196,3 +203,60 @@ def test_window_arm_shares_softmax_run_and_hides_far_keys():
     with torch.no_grad():
         d, _ = model(z, attn_mask=mask)
     assert not torch.allclose(b[0, -1], d[0, -1], atol=1e-6)
+
+
+def test_token_shift_is_causal_and_one_token_back():
+    from lssar.recall.model import RecallModel
+
+    cfg = tiny(n_layer=1)
+    from lssar.recall.study import build_model
+
+    torch.manual_seed(0)
+    model = build_model(cfg, ARMS["softmax"]).eval()
+    assert isinstance(model, RecallModel) and model.prev is not None
+    T = 12
+    x = torch.randint(0, cfg.task.vocab_size, (2, T))
+    y = x.clone()
+    y[:, 7] = (y[:, 7] + 1) % cfg.task.vocab_size
+    with torch.no_grad():
+        a, _ = model(x)
+        b, _ = model(y)
+    assert torch.equal(a[:, :7], b[:, :7])  # causal: the past is unchanged
+    assert not torch.allclose(a[:, 8], b[:, 8])  # the next position sees the changed token
+    # without attention's help (mask: each position sees only itself and BOS), position 8
+    # still depends on token 7 through the shift, and on nothing further back
+    eye = torch.eye(T, dtype=torch.bool)
+    eye[:, 0] = True
+    z = x.clone()
+    z[:, 3] = (z[:, 3] + 1) % cfg.task.vocab_size
+    with torch.no_grad():
+        c, _ = model(y, attn_mask=eye)
+        d, _ = model(x, attn_mask=eye)
+        e, _ = model(z, attn_mask=eye)
+    assert not torch.allclose(c[:, 8], d[:, 8])
+    assert torch.equal(d[:, 8], e[:, 8])
+    plain = build_model(tiny(token_shift=False), ARMS["softmax"])
+    assert plain.prev is None
+
+
+def test_parallel_jobs_give_the_same_rows(tmp_path):
+    cfg = tiny(arms=("softmax", "window", "lssa"))
+    assert [a for _, a in units(cfg)] == [
+        ("softmax", "window"),
+        ("lssa",),
+    ]  # the window arm shares softmax's model: one unit
+    one = run_study(cfg, tmp_path / "r1", tmp_path / "runs1", progress=False, attention_maps=False)
+    two = run_study(
+        tiny(arms=("softmax", "window", "lssa"), jobs=2),
+        tmp_path / "r2",
+        tmp_path / "runs2",
+        progress=False,
+        attention_maps=False,
+    )
+    rows1 = json.loads((one / "results.json").read_text())["rows"]
+    rows2 = json.loads((two / "results.json").read_text())["rows"]
+    key = ("arm", "seed", "length_multiple", "distance", "queries")
+    assert [tuple(r[k] for k in key) for r in rows1] == [tuple(r[k] for k in key) for r in rows2]
+    acc1 = np.array([r["accuracy"] for r in rows1])
+    acc2 = np.array([r["accuracy"] for r in rows2])
+    assert np.abs(acc1 - acc2).max() <= 1 / 6  # one flipped near-tie at most (threads differ)

@@ -1,12 +1,16 @@
 """Arms, presets, training, evaluation and the tidy rows of the recall study.
 
-Every trained arm shares the task, model size, steps, learning-rate schedule and the training
-batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only the attention
-differs. Every arm is scored on the same evaluation sequences. Training is fp32 (the CPUs this
-runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config hash>/``: ``ckpt.pt``
-(atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` + ``done.json`` once finished,
-and one ``eval-*.json`` per evaluation rule; finished runs and evaluations are reused, unfinished
-runs resume from their checkpoint, and a changed setting gets a new hash (never a stale reuse).
+The model is :class:`lssar.recall.model.RecallModel` (a GPT with a token shift; see that module
+for why). Every trained arm shares the task, model size, steps, learning-rate schedule and the
+training batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only the
+attention differs. Every arm is scored on the same evaluation sequences. Training is fp32 (the
+CPUs this runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config hash>/``:
+``ckpt.pt`` (atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` + ``done.json``
+once finished, and one ``eval-*.json`` per evaluation rule; finished runs and evaluations are
+reused, unfinished runs resume from their checkpoint, and a changed setting gets a new hash
+(never a stale reuse). With ``jobs > 1`` the (seed, model) units train and evaluate in that many
+worker processes of one thread each (tiny models use one core far better than two threads do);
+the results do not depend on ``jobs``.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import datetime as dt
 import hashlib
 import json
 import math
+import multiprocessing as mp
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lssar.model import GPT, GPTConfig
+from lssar.model import GPTConfig
+from lssar.recall.model import RecallModel, window_mask
 from lssar.recall.task import IGNORE, RecallTask
 from lssar.runio import atomic_write, environment
 
@@ -69,8 +76,8 @@ def eval_label(arm: Arm, p: float | None) -> str:
 class StudyConfig:
     """Everything a study depends on (the task, the model, the optimisation, the evaluation)."""
 
-    # L = 32, 6 pairs, 4 queries (n > m: with n = m the last query is answerable by elimination,
-    # which the pilot's models learned instead of retrieval), 16 keys, 16 values, 8 fillers
+    # L = 32, 6 pairs, 4 queries (n > m: with n = m the last query is answerable by elimination),
+    # 16 keys, 16 values, 8 fillers; the pilot (PILOT.md) sized the model and the steps
     task: RecallTask = field(
         default_factory=lambda: RecallTask(
             train_len=32, n_pairs=6, n_queries=4, n_keys=16, n_values=16, n_filler=8
@@ -82,15 +89,17 @@ class StudyConfig:
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 64
-    steps: int = 2000
-    batch_size: int = 64
-    lr: float = 3e-3
+    token_shift: bool = True  # see lssar/recall/model.py: without it softmax never learned
+    steps: int = 1500
+    batch_size: int = 32
+    lr: float = 1e-3
     warmup: int = 50
     weight_decay: float = 0.0
     eval_seqs: int = 100  # per length: >= 200 queries per bucket when n_queries = 4
     eval_batch: int = 20
     eval_ps: tuple[float, ...] | None = None  # None = each arm's own sweep
     ckpt_every: int = 100
+    jobs: int = 1  # worker processes (one thread each); does not change any result
 
     def __post_init__(self) -> None:
         for a in self.arms:
@@ -112,6 +121,7 @@ class StudyConfig:
             "eval_seqs",
             "eval_batch",
             "ckpt_every",
+            "jobs",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -121,7 +131,16 @@ class StudyConfig:
     def train_dict(self) -> dict[str, Any]:
         """The settings a trained model depends on (hashed into the run name)."""
         d = dataclasses.asdict(self)
-        for k in ("arms", "seeds", "multiples", "eval_seqs", "eval_batch", "eval_ps", "ckpt_every"):
+        for k in (
+            "arms",
+            "seeds",
+            "multiples",
+            "eval_seqs",
+            "eval_batch",
+            "eval_ps",
+            "ckpt_every",
+            "jobs",
+        ):
             d.pop(k)
         return d
 
@@ -136,12 +155,12 @@ class Preset:
 PRESETS = {
     "quick": Preset(
         "softmax, lssa (+ eval-time re-weighting sweep), lssar p=15 and the window control; 1 seed",
-        StudyConfig(),
+        StudyConfig(jobs=2),
         "<= 10 min on 2 CPU cores",
     ),
     "cpu": Preset(
         "every arm, 3 seeds",
-        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2)),
+        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2), jobs=2),
         "<= 75 min on 2 CPU cores",
     ),
 }
@@ -166,22 +185,9 @@ def run_dir(runs: Path, cfg: StudyConfig, arm: Arm, seed: int) -> Path:
     return runs / f"{name}-s{seed}-{h}"
 
 
-def window_mask(length: int, window: int, sink: bool = True) -> torch.Tensor:
-    """``(T, T)`` bool, True where key j is at most ``window - 1`` tokens before query i.
-
-    With ``sink`` the first token (BOS) stays visible too (project choice, as StreamingLLM's
-    attention sink): every training row saw BOS, and hiding it breaks the model at every
-    distance, which would make the control fail for a reason unrelated to locality."""
-    i = torch.arange(length)
-    m = (i[:, None] - i[None, :]) < window
-    if sink:
-        m[:, 0] = True
-    return m
-
-
-def build_model(cfg: StudyConfig, arm: Arm) -> GPT:
+def build_model(cfg: StudyConfig, arm: Arm) -> RecallModel:
     opts = {} if arm.train_p is None else {"p": arm.train_p}
-    return GPT(
+    return RecallModel(
         GPTConfig(
             vocab_size=cfg.task.vocab_size,
             n_layer=cfg.n_layer,
@@ -189,7 +195,8 @@ def build_model(cfg: StudyConfig, arm: Arm) -> GPT:
             n_embd=cfg.n_embd,
             attn=arm.train_attn,
             attn_options=opts,
-        )
+        ),
+        token_shift=cfg.token_shift,
     )
 
 
@@ -211,7 +218,7 @@ def train_arm(
     runs: Path,
     progress: bool = True,
     stop_after: int | None = None,
-) -> tuple[GPT, dict[str, Any]]:
+) -> tuple[RecallModel, dict[str, Any]]:
     """Train (or reuse, or resume) one arm/seed; returns the model and its ``done.json``.
 
     ``stop_after`` stops (with a checkpoint) after that many steps of this call: for tests of
@@ -307,7 +314,7 @@ def train_arm(
 
 @torch.no_grad()
 def evaluate_arm(
-    model: GPT, cfg: StudyConfig, arm: Arm, p: float | None, rd: Path
+    model: RecallModel, cfg: StudyConfig, arm: Arm, p: float | None, rd: Path
 ) -> dict[str, dict[str, list[int]]]:
     """Per length multiple: ``correct`` (0/1) and ``distance`` of every scored query; cached in
     ``rd/eval-<rule>.json``. ``p`` set = evaluate with lssar at that p (eval-only re-weighting)."""
@@ -380,6 +387,55 @@ def tidy_rows(
     return rows
 
 
+def _eval_ps(cfg: StudyConfig, arm: Arm) -> list[float | None]:
+    """The evaluation rules of an arm: its own (None), then its eval-time re-weighting sweep."""
+    return [None] + list(
+        arm.eval_ps if cfg.eval_ps is None else (cfg.eval_ps if arm.eval_ps else ())
+    )
+
+
+def units(cfg: StudyConfig) -> list[tuple[int, tuple[str, ...]]]:
+    """``(seed, arms)`` per trained model, seeds outermost: arms sharing a run (window and
+    softmax) form one unit, so the model trains once."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for seed in cfg.seeds:
+        for a in cfg.arms:
+            key = (seed, run_dir(Path(), cfg, ARMS[a], seed).name)
+            out.setdefault(key, []).append(a)
+    return [(seed, tuple(arms)) for (seed, _), arms in out.items()]
+
+
+def run_unit(
+    cfg: StudyConfig,
+    seed: int,
+    arms: tuple[str, ...],
+    runs: Path,
+    progress: bool = False,
+    threads: int | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Train (or reuse) one model and evaluate every arm on it with every rule: (info, rows)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, done = train_arm(cfg, ARMS[arms[0]], seed, runs, progress)
+    rd = run_dir(runs, cfg, ARMS[arms[0]], seed)
+    info, rows = [], []
+    for name in arms:
+        arm = ARMS[name]
+        info.append(
+            {
+                "arm": arm.name,
+                "seed": seed,
+                "run": str(rd),
+                "train_seconds": done.get("train_seconds"),
+                "final_train_acc": (done.get("log") or [{}])[-1].get("acc"),
+            }
+        )
+        for p in _eval_ps(cfg, arm):
+            ev = evaluate_arm(model, cfg, arm, p, rd)
+            rows += tidy_rows(arm, p, seed, ev, cfg.task.train_len)
+    return info, rows
+
+
 def run_study(
     cfg: StudyConfig,
     out: str | Path,
@@ -394,32 +450,42 @@ def run_study(
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     out, runs = Path(out), Path(runs)
     started = time.time()
-    rows: list[dict[str, Any]] = []
-    models: dict[str, tuple[GPT, Arm]] = {}
-    train_info = []
-    for seed in cfg.seeds:
-        for arm_name in cfg.arms:
-            arm = ARMS[arm_name]
-            print(f"== {arm.name} (seed {seed})", flush=True)
-            model, done = train_arm(cfg, arm, seed, runs, progress)
-            rd = run_dir(runs, cfg, arm, seed)
-            train_info.append(
-                {
-                    "arm": arm.name,
-                    "seed": seed,
-                    "run": str(rd),
-                    "train_seconds": done.get("train_seconds"),
-                    "final_train_acc": (done.get("log") or [{}])[-1].get("acc"),
-                }
-            )
-            ps = [None] + list(
-                arm.eval_ps if cfg.eval_ps is None else (cfg.eval_ps if arm.eval_ps else ())
-            )
-            for p in ps:
-                ev = evaluate_arm(model, cfg, arm, p, rd)
-                rows += tidy_rows(arm, p, seed, ev, cfg.task.train_len)
+    todo = units(cfg)
+    results: dict[int, tuple[list, list]] = {}
+    if cfg.jobs > 1 and len(todo) > 1:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(todo), desc=f"models ({cfg.jobs} workers)")
+        ctx = mp.get_context("spawn")  # fork after torch has threads can deadlock
+        with ProcessPoolExecutor(cfg.jobs, mp_context=ctx) as ex:
+            futs = {
+                ex.submit(run_unit, cfg, seed, arms, runs, False, 1): i
+                for i, (seed, arms) in enumerate(todo)
+            }
+            for f in as_completed(futs):
+                results[futs[f]] = f.result()
+                seed, arms = todo[futs[f]]
+                if bar is not None:
+                    bar.write(f"done: {', '.join(arms)} (seed {seed})")
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+    else:
+        for i, (seed, arms) in enumerate(todo):
+            print(f"== {', '.join(arms)} (seed {seed})", flush=True)
+            results[i] = run_unit(cfg, seed, arms, runs, progress)
+    train_info = [x for i in sorted(results) for x in results[i][0]]
+    rows = [r for i in sorted(results) for r in results[i][1]]
+    models: dict[str, tuple[RecallModel, Arm]] = {}
+    if attention_maps:  # the first seed's models (finished: loaded, not trained)
+        for seed, arms in todo:
             if seed == cfg.seeds[0]:
-                models[arm.name] = (model, arm)
+                model, _ = train_arm(cfg, ARMS[arms[0]], seed, runs, progress=False)
+                for a in arms:
+                    models[a] = (model, ARMS[a])
+    models = {a: models[a] for a in cfg.arms if a in models}
     meta = {
         "preset": name,
         "config": dataclasses.asdict(cfg),
@@ -428,7 +494,7 @@ def run_study(
         "date": dt.date.today().isoformat(),
         "env": environment("cpu"),
     }
-    write_report(rows, meta, out, models if attention_maps else None, cfg)
+    write_report(rows, meta, out, models or None, cfg)
     return out
 
 
@@ -445,6 +511,7 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--runs", help="run directories (default runs/recall)")
     ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(ARMS)}")
     ap.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
+    ap.add_argument("--jobs", type=int, help="worker processes (default: the preset's)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     over: dict[str, Any] = {}
@@ -455,6 +522,8 @@ def cli(argv: list[str]) -> int:
             over["seeds"] = tuple(int(s) for s in args.seeds.split(","))
         except ValueError:
             raise ValueError(f"--seeds {args.seeds!r}: expected integers like 0,1,2") from None
+    if args.jobs is not None:
+        over["jobs"] = args.jobs
     cfg = preset_config(args.preset, **over)
     out = Path(args.out or f"reports/recall-{args.preset}-{dt.date.today().isoformat()}")
     run_study(cfg, out, Path(args.runs or "runs/recall"), not args.no_progress, args.preset)

@@ -30,10 +30,11 @@ length: the first ``ceil(m / 2)`` queried keys are placed within ``train_len`` o
 block, the rest beyond it (uniformly inside each region); unqueried pairs are uniform over the
 whole context. So "all" at 2x..16x is an equal mix of the two buckets, not a uniform placement.
 
-Pair order. With ``kv`` the answering layer must match the query key against the *previous
-token* of each value (information a first layer has to move there); with ``vk`` it matches the
-key token itself and reads what a first layer copied onto it. Both need a two-layer circuit; in
-the pilot (reports/recall-quick-2026-12-01/PILOT.md) neither formed it within the CPU budget.
+Pair order. With ``kv`` the answering attention must match the query key against the *previous
+token* of each value; with ``vk`` it matches the key token itself and reads the value before it.
+Either way the model needs the previous token at a position: a plain 2-layer GPT has to build a
+previous-token head first, and in the pilot (``reports/recall-*/PILOT.md``) it never did within
+the CPU budget, so the study's model gets it from a token shift (``lssar/recall/model.py``).
 
 Everything is a function of ``(seed, index)``: the same seed gives the same batch on every
 machine, so runs resume exactly and every arm is scored on the same sequences.
