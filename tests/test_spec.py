@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lssar import data, evaluate, reproduce
+from lssar.cli import main as cli_main
 from lssar.config import TrainConfig, model_config
 from lssar.lm_eval_tasks import LssarLM
 from lssar.model import GPT, GPTConfig
@@ -179,7 +180,9 @@ def test_old_run_dir_loads(old_runs):
         ("softmax", dict(attn="lssar"), AttentionSpec("lssar", {}, "auto")),
     ],
 )
-def test_eval_sample_and_lm_eval_switch_by_the_same_rule(old_runs, monkeypatch, run, switch, want):
+def test_eval_sample_and_lm_eval_switch_by_the_same_rule(
+    old_runs, monkeypatch, capsys, run, switch, want
+):
     """``lssar eval``, ``lssar sample`` and ``lssar lm-eval`` end on the same spec."""
     seen = []
     original = GPT.set_attention
@@ -203,5 +206,9 @@ def test_eval_sample_and_lm_eval_switch_by_the_same_rule(old_runs, monkeypatch, 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in switch.items()]
     assert sample_cli([str(old_runs[run]), "--max-new-tokens=2", *flags]) == 0
     assert seen[-1] == want
+    capsys.readouterr()
+    argv = ["eval", str(old_runs[run]), "--lengths=1", "--tokens=32", "--no-diagnostics", *flags]
+    assert cli_main(argv) == 0
+    assert seen[-1] == want and f"eval/{want.slug('_')}" in capsys.readouterr().out
     LssarLM(run=str(old_runs[run]), **switch)
     assert seen[-1] == want
