@@ -159,8 +159,8 @@ PRESETS = {
         "<= 10 min on 2 CPU cores",
     ),
     "cpu": Preset(
-        "every arm, 3 seeds",
-        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2), jobs=2),
+        "every arm, 5 seeds",
+        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2, 3, 4), jobs=2),
         "<= 75 min on 2 CPU cores",
     ),
 }
