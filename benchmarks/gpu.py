@@ -10,6 +10,8 @@ First it runs the GPU-marked kernel tests (``pytest -m gpu tests/test_triton_ker
 records their summary; then, for bf16, H=16 heads, causal attention, B*T ~= 16K tokens, every
 (head dim, length) and every implementation, it measures forward and forward+backward with
 ``triton.testing.do_bench`` (median ms), the throughput in TFLOP/s and the peak extra memory.
+The lssa / lssar rows call ``lssar.attention`` (``impl=``, and ``impl_options={"precise": False}``
+for the "fast" rows), so they include the public function's argument checks.
 
 FLOP convention (softmax-equivalent, as FlashAttention reports): forward = 4 B H T^2 D, halved
 for causal; backward = 2.5x forward, so forward+backward = 3.5x forward. LSSAR does more work
@@ -82,8 +84,6 @@ def _cases(torch) -> list[tuple[str, Callable]]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from lssar.ops.registry import get_variant
-
     def sdpa_flash(q, k, v):
         def f():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -108,37 +108,35 @@ def _cases(torch) -> list[tuple[str, Callable]]:
     except ImportError:
         pass
 
-    def lssar_impl(fn, name, p, **extra):
-        variant = get_variant(name)
-        opts = variant.resolve({} if p is None else {"p": p})
+    import lssar
+    from lssar.ops.registry import IMPLS
+
+    def lssar_impl(impl, name, p, **impl_options):
+        options = {} if p is None else {"p": p}
 
         def make(q, k, v):
-            return lambda: fn(q, k, v, is_causal=True, variant=variant, options=opts, **extra)
+            return lambda: lssar.attention(
+                q, k, v, is_causal=True, variant=name, impl=impl,
+                impl_options=impl_options or None, **options,
+            )  # fmt: skip
 
         return make
 
-    try:
-        from lssar.ops.triton_kernels import triton_attention
-
+    if "triton" in IMPLS:
         cases += [
-            ("lssa triton", lssar_impl(triton_attention, "lssa", None)),
-            ("lssar p=15 triton", lssar_impl(triton_attention, "lssar", 15.0)),
-            ("lssar p=3 triton", lssar_impl(triton_attention, "lssar", 3.0)),
+            ("lssa triton", lssar_impl("triton", "lssa", None)),
+            ("lssar p=15 triton", lssar_impl("triton", "lssar", 15.0)),
+            ("lssar p=3 triton", lssar_impl("triton", "lssar", 3.0)),
             # FlashAttention-style rounding of the weights (one MMA per product, not two)
-            ("lssa triton fast", lssar_impl(triton_attention, "lssa", None, precise=False)),
-            (
-                "lssar p=15 triton fast",
-                lssar_impl(triton_attention, "lssar", 15.0, precise=False),
-            ),
+            ("lssa triton fast", lssar_impl("triton", "lssa", None, precise=False)),
+            ("lssar p=15 triton fast", lssar_impl("triton", "lssar", 15.0, precise=False)),
         ]
-    except ImportError as e:
-        print(f"skipping the Triton impl: {e}", file=sys.stderr)
-    from lssar.ops import flex as lssar_flex
-
-    if lssar_flex.flex_attention is not None:
+    else:
+        print("skipping the Triton impl: triton is not installed", file=sys.stderr)
+    if "flex" in IMPLS:
         cases += [
-            ("lssa flex", lssar_impl(lssar_flex.flex_attention_impl, "lssa", None)),
-            ("lssar p=15 flex", lssar_impl(lssar_flex.flex_attention_impl, "lssar", 15.0)),
+            ("lssa flex", lssar_impl("flex", "lssa", None)),
+            ("lssar p=15 flex", lssar_impl("flex", "lssar", 15.0)),
         ]
     return cases
 

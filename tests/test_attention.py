@@ -2,29 +2,53 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import lssar
+from lssar.ops import registry
 from lssar.ops.reference import attention_weights
 from lssar.ops.variants import VARIANTS
 from tests.accuracy import assert_within_rule, err, rounding_sensitivity
 
-FAST = [  # (impl, variant, options)
-    ("chunked", "lssa", {}),
-    ("chunked", "lssar", {}),
-    ("chunked", "lssar-p3", {}),
-    ("chunked", "lssar", {"p": 1.0}),
-    ("chunked", "lssar", {"p": 2.5}),
-    ("chunked", "softplus-l1", {}),
-    ("chunked", "softplus-l1", {"p": 15.0}),
-    ("sdpa", "softmax", {}),
-    ("sdpa", "ssmax", {"s": 1.3}),
-    ("sdpa", "softmax-qknorm-logn", {}),
+# (variant, options): one per code path of the fast implementations; the grid is every variant
+# here x every implementation the registry says runs it
+VARIANT_CASES = [
+    ("lssa", {}),
+    ("lssar", {}),
+    ("lssar-p3", {}),
+    ("lssar", {"p": 1.0}),
+    ("lssar", {"p": 2.5}),
+    ("softplus-l1", {}),
+    ("softplus-l1", {"p": 15.0}),
+    ("softmax", {}),
+    ("ssmax", {"s": 1.3}),
+    ("softmax-qknorm-logn", {}),
 ]
+# the baseline itself, and the GPU backends, whose files hold them to the same rule on shapes the
+# Triton interpreter / CPU FlexAttention (forward only, a compile per shape) can afford
+NOT_IN_GRID = {"reference", "triton", "flex"}
+
+
+def _grid(cases, exclude=NOT_IN_GRID):
+    return [
+        pytest.param(impl, name, opts, id=f"{impl}-{name}-{opts}")
+        for name, opts in cases
+        for impl in registry.supporting(name, opts)
+        if impl not in exclude
+    ]
+
+
+FAST = _grid(VARIANT_CASES)
 
 SHAPES = [  # (B, H_q, H_kv, T_q, T_k, D)
     (1, 2, 2, 1, 1, 32),
@@ -86,8 +110,8 @@ def test_fast_path_matches_float64_reference(impl, variant, opts, shape, mask_ki
         assert _err(f, g) < 1e-10 * (g.abs().max().item() + 1.0)
 
 
-@pytest.mark.parametrize("impl,variant", [("chunked", "lssar"), ("chunked", "lssa")])
-def test_fast_path_not_systematically_less_accurate(impl, variant):
+@pytest.mark.parametrize("impl,variant,opts", _grid([("lssar", {}), ("lssa", {})]))
+def test_fast_path_not_systematically_less_accurate(impl, variant, opts):
     """On a row whose top two re-weighted keys nearly tie, either fp32 computation's gradient error
     is a random draw of the same size; the grid above holds fixed seeds. Over many draws the fast
     path's error must be the reference's in the median (measured: 1.0-1.1x), not a multiple."""
@@ -175,7 +199,9 @@ def test_centred_identity_of_method_section_4():
         assert torch.allclose(w[i, :n], x**p / (x**p).sum(), atol=1e-12)
 
 
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize(
+    "impl", [i for i in registry.supporting("lssar") if i in registry.supporting("lssa")]
+)
 def test_edge_cases(impl):
     # uniform rows (identical keys): every x = 0, fall back to LSSA = uniform weights
     q = torch.randn(1, 1, 6, 16, dtype=torch.float64, requires_grad=True)
@@ -322,6 +348,132 @@ def test_bad_input_errors(call, match):
     q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))
     with pytest.raises(ValueError, match=match):
         call(q, k, v)
+
+
+def _count_check_inputs(monkeypatch) -> list[int]:
+    """Count calls of check_inputs wherever an lssar.ops module holds a reference to it."""
+    from lssar.ops import common
+
+    calls = [0]
+    original = common.check_inputs
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lssar") and getattr(module, "check_inputs", None) is original:
+            monkeypatch.setattr(module, "check_inputs", counting)
+    return calls
+
+
+@pytest.mark.parametrize("impl", list(registry.IMPLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_check_inputs_runs_once_per_call(impl, dtype, monkeypatch):
+    """Arguments are checked once, in lssar.attention; the float64 fallback does not re-check."""
+    name = "lssar" if impl in registry.supporting("lssar") else "softmax"
+    assert callable(registry.BACKENDS[impl].fn)  # imported first, so its module is patched too
+    calls = _count_check_inputs(monkeypatch)
+    q, k, v = (t.detach() for t in _inputs((1, 2, 2, 6, 6, 16), dtype))  # flex: CPU forward only
+    lssar.attention(q, k, v, is_causal=True, variant=name, impl=impl)
+    assert calls[0] == 1
+
+
+def test_float64_fallback_is_the_chunked_result():
+    q, k, v = _inputs((1, 2, 2, 9, 9, 16), torch.float64)
+    chunked = lssar.attention(q, k, v, is_causal=True, impl="chunked")
+    for impl in set(registry.IMPLS) & {"triton", "flex"}:
+        assert registry.resolve("lssar", impl, q, k, 0.0, {})[1] == "chunked"
+        torch.testing.assert_close(
+            lssar.attention(q, k, v, is_causal=True, impl=impl), chunked, rtol=0, atol=0
+        )
+        with pytest.raises(ValueError, match=f"impl={impl!r} has no dropout"):
+            lssar.attention(q, k, v, dropout_p=0.1, impl=impl)
+
+
+def test_impl_options_reach_the_implementation(monkeypatch):
+    q, k, v = _inputs((1, 2, 2, 40, 40, 16), torch.float32)
+    one_block = lssar.attention(q, k, v, is_causal=True, impl="chunked")
+    blocks = lssar.attention(q, k, v, is_causal=True, impl="chunked", impl_options={"block": 16})
+    torch.testing.assert_close(blocks, one_block)
+    calls = []
+    original = registry.BACKENDS["chunked"].fn
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("block"))
+        return original(*args, **kwargs)
+
+    entry = dataclasses.replace(registry.BACKENDS["chunked"], load=lambda: spy)
+    monkeypatch.setitem(registry.BACKENDS, "chunked", entry)
+    lssar.attention(q, k, v, impl="chunked", impl_options={"block": 16})
+    lssar.attention(q, k, v, impl="chunked")
+    assert calls == [16, None]
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(impl="chunked", impl_options={"blocks": 2}), "no option 'blocks'.*block=0"),
+        (dict(impl="reference", impl_options={"precise": False}), "options are: none"),
+        (dict(impl="chunked", impl_options={"block": -1}), "must be an int >= 0"),
+        (dict(impl="chunked", impl_options={"block": True}), "must be an int >= 0"),
+        (dict(impl="auto", impl_options={"block": 2}), "pass impl= explicitly"),
+        (dict(impl="chunked", impl_options=[("block", 2)]), "must be a dict"),
+    ],
+)
+def test_impl_options_are_validated(kw, match):
+    q, k, v = _inputs((1, 2, 2, 6, 6, 8), torch.float32)
+    with pytest.raises(ValueError, match=match):
+        lssar.attention(q, k, v, variant="lssar", **kw)
+
+
+def test_registry_entries_match_their_functions():
+    """Each available entry's options are its function's keyword options, with their defaults;
+    every entry's fallback exists and runs what it falls back from."""
+    for name, entry in registry.IMPLS.items():
+        params = inspect.signature(entry.fn).parameters
+        extra = {
+            n: p.default
+            for n, p in params.items()
+            if p.kind is p.KEYWORD_ONLY and n not in ("variant", "options")
+        }
+        assert extra == dict(entry.options), name
+    for name, entry in registry.BACKENDS.items():
+        if entry.float64 is not None:
+            target = registry.BACKENDS[entry.float64]
+            assert target.float64 is None and target.available
+            for v in VARIANTS.values():
+                assert not entry.supports(v, v.options) or target.supports(v, v.options), name
+    listing = {i["name"]: i for i in registry.implementations()}
+    assert list(listing) == list(registry.BACKENDS)
+    assert [n for n, i in listing.items() if i["available"]] == list(registry.IMPLS)
+    assert listing["triton"]["options"] == {"precise": True}
+
+
+def test_no_backend_imports_the_registry():
+    """The registry owns its backends: no module of lssar.ops imports it (or lssar, which
+    re-exports it), and importing lssar imports no backend (they load on first use)."""
+    ops = Path(registry.__file__).parent
+    for path in sorted(ops.rglob("*.py")):
+        if path.name == "registry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert name not in ("lssar", "lssar.ops.registry"), (path, name)
+    code = (
+        "import sys, lssar\n"
+        "loaded = [m for m in sys.modules if m.startswith('lssar.ops.')]\n"
+        "assert sorted(loaded) == ['lssar.ops.common', 'lssar.ops.registry', "
+        "'lssar.ops.variants'], loaded\n"
+        "assert 'triton' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ def test_cpu_backward_is_a_clear_error():
 
 def test_registered_for_lssa_lssar_only():
     assert "flex" in registry.IMPLS
-    ok = registry.IMPLS["flex"][1]
+    ok = registry.IMPLS["flex"].supports
     assert ok(*_variant("lssa")) and ok(*_variant("lssar", 15.0)) and ok(*_variant("lssar-p3"))
     assert not ok(*_variant("softmax")) and not ok(*_variant("softplus-l1"))
     variant, opts = _variant("lssar", 15.0)
@@ -114,3 +114,5 @@ def test_registered_for_lssa_lssar_only():
         fx.flex_attention_impl(q, q, q, dropout_p=0.1, variant=variant, options=opts)
     with pytest.raises(ValueError, match="scale"):
         fx.flex_attention_impl(q, q, q, scale=0.5, variant=variant, options=opts)
+    with pytest.raises(ValueError, match="float64"):  # lssar.attention routes it to chunked
+        fx.flex_attention_impl(q.double(), q.double(), q.double(), variant=variant, options=opts)

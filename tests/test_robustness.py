@@ -32,15 +32,13 @@ CPU_GRAD_FREE = {"flex"}  # FlexAttention on CPU runs forward only
 
 
 def _cases(exclude=("flex",)):
-    out = []
-    for impl, (_, supports, _) in registry.IMPLS.items():
-        if impl in exclude:
-            continue
-        for name, opts in REPRESENTATIVES:
-            v = registry.get_variant(name)
-            if supports(v, v.resolve(opts)):
-                out.append(pytest.param(impl, name, opts, id=f"{impl}-{name}-{opts}"))
-    return out
+    return [
+        pytest.param(impl, name, opts, id=f"{impl}-{name}-{opts}")
+        for impl in registry.IMPLS
+        if impl not in exclude
+        for name, opts in REPRESENTATIVES
+        if impl in registry.supporting(name, opts)
+    ]
 
 
 CASES = _cases()

@@ -24,7 +24,7 @@ from lssar.ops.reference import reference_attention  # noqa: E402
 from lssar.ops.variants import VARIANTS  # noqa: E402
 
 pytest.importorskip("triton")
-from lssar.ops import triton_kernels as tk  # noqa: E402
+from lssar.ops.triton import host as tk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not tk._interpreting():
@@ -190,19 +190,42 @@ def test_value_head_dim_differs():
 
 
 def test_float64_runs_chunked():
+    """lssar.attention routes float64 to impl='chunked'; the kernels themselves refuse it."""
+    from lssar import attention
+
     variant, opts = _variant("lssar", 15.0)
     q, k, v = _inputs(1, 2, 2, 9, 9, 16, torch.float64, seed=8)
     ref = reference_attention(q, k, v, is_causal=True, variant=variant, options=opts)
-    fast = tk.triton_attention(q, k, v, is_causal=True, variant=variant, options=opts)
+    fast = attention(q, k, v, is_causal=True, variant="lssar", impl="triton")
     torch.testing.assert_close(fast, ref)
+    chunked = attention(q, k, v, is_causal=True, variant="lssar", impl="chunked")
+    assert torch.equal(fast, chunked)
+    with pytest.raises(ValueError, match="float64"):
+        tk.triton_attention(q, k, v, is_causal=True, variant=variant, options=opts)
+
+
+def test_precise_through_attention():
+    """impl_options={"precise": False} reaches the kernels (bf16: one rounding, not a split)."""
+    from lssar import attention
+
+    variant, opts = _variant("lssar", 15.0)
+    q, k, v = (x.to(DEVICE) for x in _inputs(1, 2, 2, 17, 17, 32, torch.bfloat16, seed=9))
+    fast = attention(
+        q, k, v, is_causal=True, variant="lssar", impl="triton", impl_options={"precise": False}
+    )
+    direct = tk.triton_attention(q, k, v, is_causal=True, variant=variant, options=opts,
+                                 precise=False)  # fmt: skip
+    assert torch.equal(fast, direct)
+    precise = attention(q, k, v, is_causal=True, variant="lssar", impl="triton")
+    assert not torch.equal(fast, precise)
 
 
 def test_registered_and_reachable_through_attention():
     from lssar import attention
 
     assert "triton" in registry.IMPLS
-    assert registry.IMPLS["triton"][1](*_variant("lssar", 15.0))
-    assert not registry.IMPLS["triton"][1](*_variant("softmax"))
+    assert registry.IMPLS["triton"].supports(*_variant("lssar", 15.0))
+    assert not registry.IMPLS["triton"].supports(*_variant("softmax"))
     q, k, v = (x.to(DEVICE) for x in _inputs(1, 2, 2, 6, 6, 16, torch.float32))
     torch.testing.assert_close(
         attention(q, k, v, is_causal=True, variant="lssar", impl="triton"),

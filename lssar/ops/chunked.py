@@ -20,11 +20,13 @@ from torch import Tensor
 from lssar.ops.common import (
     as_4d,
     causal_mask,
-    count_visible,
+    centred_rows,
+    centring_mean,
     expand_kv,
     log_phi,
     uniform_tolerance,
     unit,
+    visible_counts,
 )
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
@@ -50,8 +52,16 @@ def _ipow(r: Tensor, p: float) -> Tensor:
     return r.pow(p)
 
 
+def _block_rows_mask(mask: Tensor | None, i0: int, i1: int, k_end: int) -> Tensor | None:
+    """The caller's mask for rows ``i0:i1`` and keys ``0:k_end``; a size-1 axis is kept whole."""
+    if mask is None:
+        return None
+    mb = mask[..., i0:i1, :] if mask.shape[-2] > 1 else mask
+    return mb[..., :k_end] if mb.shape[-1] > 1 else mb
+
+
 def _block_mask(
-    mask: Tensor | None,
+    mb: Tensor | None,
     is_causal: bool,
     i0: int,
     i1: int,
@@ -59,33 +69,14 @@ def _block_mask(
     offset: int,
     device: torch.device,
 ) -> Tensor | None:
-    """Visibility of rows ``i0:i1`` over keys ``0:k_end`` (broadcastable to the score slab)."""
+    """Visibility of rows ``i0:i1`` over keys ``0:k_end`` (broadcastable to the score slab),
+    from the caller's mask for those rows (:func:`_block_rows_mask`) and the causal rule."""
     m = None
     if is_causal and offset + i0 < k_end - 1:  # some key in range is in the future of some row
         m = causal_mask(i1 - i0, k_end, device, q_start=offset + i0)
-    if mask is not None:  # a size-1 (broadcast) query or key axis is kept whole
-        mb = mask[..., i0:i1, :] if mask.shape[-2] > 1 else mask
-        mb = mb[..., :k_end] if mb.shape[-1] > 1 else mb
+    if mb is not None:
         m = mb if m is None else (mb & m)
     return m
-
-
-def _counts(
-    m: Tensor | None,
-    is_causal: bool,
-    i0: int,
-    i1: int,
-    k_end: int,
-    offset: int,
-    device: torch.device,
-) -> Tensor:
-    """``N_i`` for the block rows, float32, broadcastable to ``(B, H, rows, 1)``."""
-    if m is None and not is_causal:
-        return torch.full((1, 1, 1, 1), float(k_end), device=device)
-    if m is None or (is_causal and m.dim() == 2):
-        n = torch.arange(i0, i1, device=device, dtype=torch.float32) + offset + 1
-        return n.clamp(0, k_end).reshape(1, 1, -1, 1)
-    return count_visible(m, k_end)
 
 
 def _weights(
@@ -115,8 +106,8 @@ def _weights(
     z = torch.where(z > 0, z, torch.ones_like(z))  # fully masked rows: a = 0, any z works
     if p is None:
         return s, a, z, (shift,)
-    big = n > 3  # O_i = 1
-    mu = torch.where(big, z / n.clamp_min(1.0), torch.zeros_like(z))
+    big = centred_rows(n)  # O_i = 1
+    mu = centring_mean(z, n)
     x = F.relu(a - mu)  # masked entries: 0 - mu <= 0
     x_max = x.amax(-1, keepdim=True)
     has = x_max > uniform_tolerance(x.dtype) * mu  # else every weight is uniform up to rounding
@@ -166,8 +157,10 @@ def _blocks(
         k_end = min(t_k, max(0, offset + i1)) if is_causal else t_k
         if k_end == 0:  # rows before the first key (T_q > T_k, causal): output stays 0
             continue
-        m = _block_mask(mask, is_causal, i0, i1, k_end, offset, q.device)
-        n = _counts(m, is_causal, i0, i1, k_end, offset, q.device).to(dtype)
+        mb = _block_rows_mask(mask, i0, i1, k_end)
+        m = _block_mask(mb, is_causal, i0, i1, k_end, offset, q.device)
+        n = visible_counts(mb, is_causal, i1 - i0, k_end, q.device, q_start=offset + i0)
+        n = n.to(dtype)
         yield i0, i1, k_end, m, n, _row_scale(n, scale, log_n)
 
 

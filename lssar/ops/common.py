@@ -138,11 +138,69 @@ def count_visible(mask: Tensor, t_k: int) -> Tensor:
     return n * t_k if mask.shape[-1] == 1 and t_k != 1 else n
 
 
-def visible_counts(mask: Tensor | None, t_q: int, t_k: int, device: torch.device) -> Tensor:
-    """``N_i``: keys each query row may attend to, as float32 broadcastable to ``[B,H,T_q,1]``."""
+def visible_counts(
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    t_q: int,
+    t_k: int,
+    device: torch.device,
+    q_start: int | None = None,
+) -> Tensor:
+    """``N_i``: the keys ``0 .. t_k - 1`` each query row may attend to, float32 ``(B|1, H|1,
+    T_q|1, 1)`` (exact below 2**24). The one definition every implementation uses.
+
+    ``attn_mask`` is the caller's boolean mask (0- to 4-dim, not yet combined with the causal
+    rule), counted on its broadcast to ``t_k`` keys. With ``is_causal`` row ``i`` sits at absolute
+    position ``q_start + i`` (default ``t_k - t_q``: a whole block, bottom-right aligned) and sees
+    keys ``j <= q_start + i``. Causal and key padding alone never build a ``(T_q, T_k)`` temporary.
+    """
+    mask = as_4d(attn_mask)
+    if not is_causal:
+        if mask is None:
+            return torch.full((1, 1, 1, 1), float(t_k), device=device)
+        return count_visible(mask, t_k)
+    start = t_k - t_q if q_start is None else q_start
+    last = torch.arange(t_q, device=device) + start  # the last key each row may see
     if mask is None:
-        return torch.full((1, 1, 1, 1), float(t_k), device=device)
-    return count_visible(mask, t_k)
+        return (last + 1).clamp(0, t_k).to(torch.float32).reshape(1, 1, -1, 1)
+    if mask.shape[-2] == 1 and t_k > 0:  # key padding + causal: prefix sums over the keys
+        keys = mask[..., 0, :].expand(*mask.shape[:-2], t_k)  # (B|1, H|1, T_k)
+        cs = keys.cumsum(-1, dtype=torch.float32)
+        n = cs.index_select(-1, last.clamp(0, t_k - 1))
+        return torch.where(last >= 0, n, torch.zeros_like(n)).unsqueeze(-1)
+    return count_visible(mask & causal_mask(t_q, t_k, device, q_start=start), t_k)
+
+
+# Re-weighting (METHOD.md section 4): O_i = 1, i.e. rows are centred on their mean weight, only
+# for rows with more than this many visible keys; rows with N_i <= 3 are sharpened un-centred.
+REWEIGHT_MIN_KEYS = 3
+
+
+def centred_rows(n: Tensor) -> Tensor:
+    """``O_i = 1`` as a boolean of ``n`` (``N_i``, any shape): ``N_i > REWEIGHT_MIN_KEYS``."""
+    return n > REWEIGHT_MIN_KEYS
+
+
+def centring_mean(z: Tensor, n: Tensor) -> Tensor:
+    """``mu_i = Z_i / N_i`` (mean Softplus over visible keys) where ``O_i = 1``, else 0.
+
+    Subtracting ``mu_i`` from ``softplus(s_ij)`` is METHOD.md's ``N_i A_ij - O_i`` divided by
+    ``N_i / Z_i``: the same re-weighted row (``z``, ``n`` broadcast against each other)."""
+    return torch.where(centred_rows(n), z / n.clamp_min(1.0), torch.zeros_like(z))
+
+
+NORM_EPS = 1e-12  # F.normalize's eps: x / max(||x||, eps)
+
+
+def inv_norm(x: Tensor) -> Tensor:
+    """``1 / max(||x||, NORM_EPS)`` over the last dim in float32: ``(B, H, T)``, contiguous.
+
+    For kernels that scale a raw ``q . k`` by the inverse norms instead of normalising first
+    (callers divide each vector by a power of two near its largest entry beforehand, so the
+    norm neither overflows nor reaches the eps); :func:`unit` is the normalised vector itself.
+    """
+    norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    return (1.0 / norm.clamp_min(NORM_EPS)).contiguous()
 
 
 def unit(x: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ score_mod by ``c_i / |q_i|`` and ``1 / |k_j|`` (captured fp32 vectors indexed by
 normalisation. Causal (bottom-right aligned for ``T_q != T_k``) and boolean masks become a
 ``BlockMask``; ``N_i`` is counted in torch beforehand.
 
-Limits (torch >= 2.9 for ``AuxRequest``; the impl is registered only when importable):
+Limits (torch >= 2.9 for ``AuxRequest``; the registry lists the impl only when importable):
 
 - CUDA: forward and backward (autograd through both calls, the log-sum-exp and the captured
   statistics). Half inputs follow FlexAttention's own precision (weights rounded for ``P @ V``).
@@ -25,7 +25,8 @@ Limits (torch >= 2.9 for ``AuxRequest``; the impl is registered only when import
   raises ``RuntimeError``. ``Z_i`` comes from a sentinel key (score ``ln N_i``, value ``e_{D+1}``
   in an extra channel) instead of the log-sum-exp, and the fallback rows from an all-ones extra
   value channel. CPU computes in float32 (half inputs are upcast, the output cast back).
-- float64 inputs run on :func:`lssar.ops.chunked.chunked_attention` (same math).
+- float64: ``lssar.attention`` runs these inputs on ``impl="chunked"`` (same math); called
+  directly, this function refuses them.
 - No dropout; ``scale`` is rejected (the length scale is fixed by the variant).
 - ``flex_attention`` is compiled with ``dynamic=False`` (dynamic shapes fail to lower on CPU in
   torch 2.13): every new shape / mask structure / variant costs a compilation (seconds on CPU),
@@ -43,8 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lssar.ops.common import causal_mask, check_inputs, count_visible, uniform_tolerance
-from lssar.ops.registry import register_impl
+from lssar.ops.common import as_4d, centring_mean, inv_norm, uniform_tolerance, visible_counts
 from lssar.ops.variants import Variant
 
 try:
@@ -70,21 +70,6 @@ def _log_softplus(s: Tensor) -> Tensor:
     # log(softplus(s)) without log(0): softplus(s) = e^s (1 - e^s / 2 + ...) for s << 0; the
     # clamp keeps the unused branch (and so its gradient) finite
     return torch.where(s < -20.0, s, torch.log(F.softplus(s.clamp_min(-20.0))))
-
-
-def _visible_counts(
-    mask4: Tensor | None, is_causal: bool, b: int, h: int, t_q: int, t_k: int, device
-) -> Tensor:
-    """``N_i`` as float32 ``(B, H_q, T_q)``."""
-    off = t_k - t_q
-    if mask4 is None:
-        if is_causal:
-            n = (torch.arange(t_q, device=device) + off + 1).clamp(0, t_k)
-        else:
-            n = torch.full((t_q,), t_k, device=device)
-        return n.to(torch.float32).expand(b, h, t_q)
-    m = mask4 & causal_mask(t_q, t_k, device, q_start=off) if is_causal else mask4
-    return count_visible(m, t_k).squeeze(-1).expand(b, h, t_q)
 
 
 def _mask_mod(mask4: Tensor | None, is_causal: bool, t_q: int, t_k: int, sentinel: bool):
@@ -163,18 +148,15 @@ def flex_attention_impl(
         raise RuntimeError("impl='flex' needs torch.nn.attention.flex_attention (torch >= 2.9)")
     if dropout_p > 0:
         raise ValueError("impl='flex' has no dropout; use impl='reference' for dropout_p > 0")
-    if not _supports(variant, options):
+    if not variant.lssa_family:
         raise ValueError(f"impl='flex' runs lssa / lssar (+ any p), not {variant.name!r}")
     if scale is not None:
         raise ValueError("impl='flex' runs the length-scaled variants, which take no `scale`")
-    check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if query.dtype == torch.float64:  # FlexAttention's kernels are fp16/bf16/fp32
-        from lssar.ops.chunked import chunked_attention
-
-        return chunked_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            variant=variant, options=options,
-        )  # fmt: skip
+    if query.dtype == torch.float64:  # lssar.attention runs these on impl='chunked'
+        raise ValueError(
+            "impl='flex' has no float64 kernels; lssar.attention(..., impl='flex') runs float64 "
+            "inputs on impl='chunked' (same math)"
+        )
     on_cpu = query.device.type == "cpu"
     if on_cpu and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise RuntimeError(
@@ -187,12 +169,9 @@ def flex_attention_impl(
     B, H, t_q, d = query.shape
     hk, t_k = key.shape[1], key.shape[2]
     groups = H // hk
-    mask4 = None
-    if attn_mask is not None:
-        mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    n = _visible_counts(mask4, is_causal, B, H, t_q, t_k, query.device)  # (B, H, T_q)
-    inv_q = 1.0 / torch.linalg.vector_norm(query, dim=-1, dtype=torch.float32).clamp_min(1e-12)
-    inv_k = 1.0 / torch.linalg.vector_norm(key, dim=-1, dtype=torch.float32).clamp_min(1e-12)
+    mask4 = as_4d(attn_mask)
+    n = visible_counts(mask4, is_causal, t_q, t_k, query.device).squeeze(-1).expand(B, H, t_q)
+    inv_q, inv_k = inv_norm(query), inv_norm(key)  # (B, H, T_q), (B, H_kv, T_k)
     cq = math.log(d) * torch.log(n.clamp_min(1.0)) * inv_q  # c_i / |q_i|  (B, H, T_q)
     p = options.get("p")
     # LSSA needs no statistics: one call on every device; LSSAR on CPU cannot get the LSE
@@ -228,7 +207,7 @@ def _lse_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
         return flex(q, k, v, score_mod=lssa_mod, **kw)
     out1, aux1 = flex(q, k, v, score_mod=lssa_mod, return_aux=AuxRequest(lse=True), **kw)
     z = torch.exp(aux1.lse)  # (B, H, T_q); 0 for fully masked rows
-    mu = torch.where(n > 3, z / n.clamp_min(1.0), torch.zeros_like(z))
+    mu = centring_mean(z, n)
 
     def lssar_mod(score, b, h, q_idx, kv_idx):
         s = _scores(score, b, h, q_idx, kv_idx, cq, inv_k, groups)
@@ -261,7 +240,7 @@ def _sentinel_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
         real = (1.0 - sent).unsqueeze(-1)  # Z / (Z + N)
         out1 = o1[..., :dv] / torch.where(real > 0, real, torch.ones_like(real))
         z = n * (1.0 - sent) / sent
-        mu = torch.where(n > 3, z / n.clamp_min(1.0), torch.zeros_like(z))
+        mu = centring_mean(z, n)
         # second call: an all-ones extra value channel reads 1 where the row has any finite
         # score, 0 (or NaN) where every score is -inf: those rows fall back to LSSA
         v2 = F.pad(v, (0, 1), value=1.0)
@@ -275,23 +254,5 @@ def _sentinel_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
         has = (o2[..., dv] > 0.5).unsqueeze(-1)
         return torch.where(has, o2[..., :dv], out1)
 
-
-def _supports(variant: Variant, options: dict[str, Any]) -> bool:
-    return (
-        variant.phi == "softplus"
-        and variant.l1
-        and variant.scaling == "log_n"
-        and variant.qk_norm
-        and not variant.divide_by_n
-    )
-
-
-if flex_attention is not None:
-    register_impl(
-        "flex",
-        flex_attention_impl,
-        _supports,
-        "FlexAttention (torch.compile): lssa in one call, lssar in two (any p); CPU inference-only",
-    )
 
 __all__ = ["flex_attention_impl"]

@@ -5,9 +5,10 @@ Each variant is two stages (METHOD.md sections 3-4):
 1. ``normalise``: scores -> non-negative weights ``a = phi(s) * M``, l1-normalised to ``A`` when the
    variant is normalised;
 2. ``reweight`` (optional, any l1 variant): ``x = ReLU(N_i A - O_i)`` with ``O_i = 1`` for
-   ``N_i > 3`` else 0, ``P = x^p / sum_j x^p``. Computed as ``r = x / max_j x`` first: the same
-   weights, but ``x^p`` can neither overflow nor underflow a whole row. A row whose ``x`` are all 0
-   (every visible weight equal, up to rounding: ``max x <= uniform_tolerance``) falls back to ``A``.
+   ``N_i > REWEIGHT_MIN_KEYS`` (3) else 0, ``P = x^p / sum_j x^p``. Computed as
+   ``r = x / max_j x`` first: the same weights, but ``x^p`` can neither overflow nor underflow a
+   whole row. A row whose ``x`` are all 0 (every visible weight equal, up to rounding:
+   ``max x <= uniform_tolerance``) falls back to ``A``.
 
 Memory is O(T_q T_k); use it for checking and for short sequences. See ``lssar.ops.common`` for
 the mask, GQA and KV-cache conventions shared by all implementations.
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lssar.ops.common import (
+    centred_rows,
     combined_mask,
     compute_dtype,
     expand_kv,
@@ -91,7 +93,7 @@ def normalise(
 def reweight(weights: Tensor, n: Tensor, p: float) -> Tensor:
     """Stage 2 (LSSAR re-weighting) of l1-normalised ``weights (B, H, T_q, T_k)``."""
     n = n.to(weights.dtype)
-    offset = (n > 3).to(weights.dtype)  # O_i
+    offset = centred_rows(n).to(weights.dtype)  # O_i
     x = F.relu(n * weights - offset)
     x_max = x.amax(-1, keepdim=True)
     has_mass = x_max > uniform_tolerance(x.dtype) * offset  # x is relative to the row mean
@@ -120,7 +122,7 @@ def attention_weights(
         key, _ = expand_kv(query, key, key)
     q, k = query.to(dtype), key.to(dtype)
     mask = combined_mask(attn_mask, is_causal, t_q, t_k, q.device)
-    n = visible_counts(mask, t_q, t_k, q.device).to(dtype)
+    n = visible_counts(attn_mask, is_causal, t_q, t_k, q.device).to(dtype)
     s = scores(q, k, n, variant, scale, options)
     w = normalise(s, mask, n, variant, options)
     p = options.get("p")

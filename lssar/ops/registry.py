@@ -1,23 +1,87 @@
-"""Name -> variant, impl -> function; ``impl="auto"`` picks the best implementation available."""
+"""Name -> variant, impl -> lazy entry; ``impl="auto"`` picks the best implementation available.
+
+The registry owns its backends, as transformers' attention interface does: each implementation
+is an :class:`Impl` entry with a loader that imports its function on first use, what it runs
+(``supports``), whether it can run here (``available``), its own options
+(``impl_options`` of :func:`attention`) and the fallbacks it relies on (dropout, float64). No
+backend module imports this one. Resolution (:func:`resolve`) is the one place that validates
+names and options and routes a call, so :func:`lssar.ops.common.check_inputs` runs once per call.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lssar.ops.chunked import chunked_attention
 from lssar.ops.common import as_4d, check_inputs, hide_unseen
-from lssar.ops.reference import reference_attention
-from lssar.ops.sdpa import sdpa_attention
 from lssar.ops.variants import VARIANTS, Variant
 
 # Below this many score entries per (batch, head) the materialised reference is as fast (measured
 # on 2 CPU cores: equal at T = 128, chunked 2-3x faster fwd+bwd at T = 256).
 AUTO_CHUNK_MIN_SCORES = 128 * 128
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation: a lazy function plus what it runs and needs.
+
+    ``load`` imports and returns the function (on first use; an ``import`` statement, which
+    ``torch.compile`` traces, unlike ``importlib``). The function has the attention signature:
+    SDPA's arguments, then ``variant=``, ``options=`` and this entry's keyword-only ``options``
+    with their defaults. ``available``: it can run in this process (its package or torch feature
+    exists, checked without importing the backend); ``needs`` says what it takes, in words.
+    ``dropout``: it applies ``dropout_p`` itself (else ``dropout_p > 0`` is an error naming it).
+    ``float64``: the impl that runs float64 inputs in its place (same math), or None.
+    ``torch_func``: it composes with ``torch.func`` transforms (hand-written backward passes
+    do not).
+    """
+
+    name: str
+    load: Callable[[], Callable[..., Tensor]]
+    supports: Callable[[Variant, dict[str, Any]], bool]
+    summary: str
+    available: bool = True
+    needs: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    dropout: bool = False
+    float64: str | None = None
+    torch_func: bool = True
+
+    @property
+    def fn(self) -> Callable[..., Tensor]:
+        """The implementation's function (imported on the first call)."""
+        return self.load()
+
+    def check_options(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``given`` validated against :attr:`options`: names, types, counts ``>= 0``."""
+        if not given:
+            return {}
+        if not isinstance(given, Mapping):
+            raise ValueError(f"impl_options must be a dict, got {type(given).__name__}")
+        unknown = sorted(set(given) - set(self.options))
+        if unknown:
+            valid = ", ".join(f"{k}={v!r}" for k, v in self.options.items()) or "none"
+            raise ValueError(
+                f"impl {self.name!r} takes no option {', '.join(map(repr, unknown))}; "
+                f"its options are: {valid}"
+            )
+        for key, value in given.items():
+            default = self.options[key]
+            if isinstance(default, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(default, int):
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            else:
+                ok = isinstance(value, type(default))
+            if not ok:
+                kind = "an int >= 0" if type(default) is int else type(default).__name__
+                raise ValueError(f"impl {self.name!r} option {key!r} must be {kind}, got {value!r}")
+        return dict(given)
 
 
 def _softplus_l1(v: Variant, opts: dict[str, Any]) -> bool:
@@ -28,27 +92,119 @@ def _softmax_family(v: Variant, opts: dict[str, Any]) -> bool:
     return v.phi == "exp" and opts.get("p") is None
 
 
-# impl name -> (implementation, which variants/options it supports, what it needs)
-IMPLS: dict[str, tuple[Callable[..., Tensor], Callable[[Variant, dict], bool], str]] = {
-    "reference": (reference_attention, lambda v, o: True, "materialised T_q x T_k, every variant"),
-    "chunked": (
-        chunked_attention,
+def _lssa_family(v: Variant, opts: dict[str, Any]) -> bool:
+    return v.lssa_family
+
+
+def _every_variant(v: Variant, opts: dict[str, Any]) -> bool:
+    return True
+
+
+def _reference() -> Callable[..., Tensor]:
+    from lssar.ops.reference import reference_attention
+
+    return reference_attention
+
+
+def _chunked() -> Callable[..., Tensor]:
+    from lssar.ops.chunked import chunked_attention
+
+    return chunked_attention
+
+
+def _sdpa() -> Callable[..., Tensor]:
+    from lssar.ops.sdpa import sdpa_attention
+
+    return sdpa_attention
+
+
+def _triton() -> Callable[..., Tensor]:
+    from lssar.ops.triton.host import triton_attention
+
+    return triton_attention
+
+
+def _flex() -> Callable[..., Tensor]:
+    from lssar.ops.flex import flex_attention_impl
+
+    return flex_attention_impl
+
+
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _has_flex() -> bool:
+    try:  # AuxRequest (the log-sum-exp) arrived in torch 2.9
+        from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# impl name -> entry: every implementation this package has (BACKENDS) and those that can run
+# in this process (IMPLS), in registration order
+BACKENDS: dict[str, Impl] = {}
+IMPLS: dict[str, Impl] = {}
+
+
+def register_impl(entry: Impl) -> None:
+    """Add (or replace) an implementation; ``entry.float64`` must name an available impl."""
+    if entry.float64 is not None and entry.float64 not in IMPLS:
+        raise ValueError(f"impl {entry.name!r} falls back to unknown impl {entry.float64!r}")
+    BACKENDS[entry.name] = entry
+    if entry.available:
+        IMPLS[entry.name] = entry
+    else:
+        IMPLS.pop(entry.name, None)
+
+
+for _entry in (
+    Impl(
+        "reference",
+        _reference,
+        _every_variant,
+        "materialised T_q x T_k, every variant",
+        dropout=True,
+    ),
+    Impl(
+        "chunked",
+        _chunked,
         _softplus_l1,
         "memory-efficient exact softplus-l1 family (lssa, lssar, softplus-l1; any p)",
+        options={"block": 0},
+        torch_func=False,
     ),
-    "sdpa": (
-        sdpa_attention,
+    Impl(
+        "sdpa",
+        _sdpa,
         _softmax_family,
         "torch SDPA kernels for softmax, ssmax, softmax-qknorm-logn (no p)",
+        dropout=True,
     ),
-}
-
-
-def register_impl(
-    name: str, fn: Callable[..., Tensor], supports: Callable[[Variant, dict], bool], summary: str
-) -> None:
-    """Add an implementation (e.g. the Triton kernels register themselves here when importable)."""
-    IMPLS[name] = (fn, supports, summary)
+    Impl(
+        "triton",
+        _triton,
+        _softplus_l1,
+        "fused Triton kernels for the softplus-l1 family (lssa, lssar, softplus-l1; any p); "
+        "CUDA, or CPU with TRITON_INTERPRET=1",
+        available=_has_triton(),
+        needs="the triton package",
+        options={"precise": True},
+        float64="chunked",
+        torch_func=False,
+    ),
+    Impl(
+        "flex",
+        _flex,
+        _lssa_family,
+        "FlexAttention (torch.compile): lssa in one call, lssar in two (any p); CPU inference-only",
+        available=_has_flex(),
+        needs="torch.nn.attention.flex_attention with AuxRequest (torch >= 2.9)",
+        float64="chunked",
+    ),
+):
+    register_impl(_entry)
 
 
 def get_variant(name: str) -> Variant:
@@ -61,6 +217,13 @@ def get_variant(name: str) -> Variant:
         ) from None
 
 
+def supporting(variant: str, options: dict[str, Any] | None = None) -> list[str]:
+    """The available implementations that run ``variant`` with ``options`` (the test grid)."""
+    v = get_variant(variant)
+    opts = v.resolve(options or {})
+    return [name for name, entry in IMPLS.items() if entry.supports(v, opts)]
+
+
 def variants() -> list[dict[str, Any]]:
     """Every variant: name, one-line summary, options with defaults, and the impls that run it."""
     return [
@@ -68,9 +231,23 @@ def variants() -> list[dict[str, Any]]:
             "name": v.name,
             "summary": v.summary,
             "options": dict(v.options),
-            "impls": [name for name, (_, ok, _) in IMPLS.items() if ok(v, v.options)],
+            "impls": [name for name, e in IMPLS.items() if e.supports(v, v.options)],
         }
         for v in VARIANTS.values()
+    ]
+
+
+def implementations() -> list[dict[str, Any]]:
+    """Every implementation: name, summary, whether it runs here (and what it needs), options."""
+    return [
+        {
+            "name": e.name,
+            "summary": e.summary,
+            "available": e.available,
+            "needs": e.needs,
+            "options": dict(e.options),
+        }
+        for e in BACKENDS.values()
     ]
 
 
@@ -85,7 +262,7 @@ def _auto(
 ) -> str:
     if dropout_p > 0 or (_functorch_active() and not _softmax_family(variant, opts)):
         return "reference"
-    if query.is_cuda and "triton" in IMPLS and IMPLS["triton"][1](variant, opts):
+    if query.is_cuda and "triton" in IMPLS and IMPLS["triton"].supports(variant, opts):
         return "triton"
     if _softmax_family(variant, opts):
         return "sdpa"
@@ -94,28 +271,61 @@ def _auto(
     return "reference"
 
 
+class Resolved(NamedTuple):
+    """What :func:`attention` runs: the variant, the impl's name and both sets of options."""
+
+    variant: Variant
+    impl: str
+    options: dict[str, Any]
+    impl_options: dict[str, Any]
+
+
 def resolve(
-    variant: str, impl: str, query: Tensor, key: Tensor, dropout_p: float, options: dict[str, Any]
-) -> tuple[Variant, str, dict[str, Any]]:
-    """Validate names and options; return ``(variant, impl name, resolved options)``."""
+    variant: str,
+    impl: str,
+    query: Tensor,
+    key: Tensor,
+    dropout_p: float,
+    options: dict[str, Any],
+    impl_options: Mapping[str, Any] | None = None,
+) -> Resolved:
+    """Validate names and options and route the call (``auto``, dropout, the float64 fallback).
+
+    Returns ``(variant, impl name, resolved options, impl options)``; the impl named there is
+    the one that runs (``impl="triton"`` with float64 inputs resolves to ``"chunked"``, whose
+    options are then the defaults: the requested kernel's options concern its own precision).
+    """
     v = get_variant(variant)
     opts = v.resolve(options)
+    if impl_options and impl == "auto":
+        raise ValueError(
+            "impl_options belong to one implementation: pass impl= explicitly with them "
+            "(impl='auto' picks per call)"
+        )
     if impl == "auto":
         impl = _auto(query, key, dropout_p, v, opts)
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; valid impls: auto, {', '.join(IMPLS)}")
-    if not IMPLS[impl][1](v, opts):
-        ok = [n for n, (_, sup, _) in IMPLS.items() if sup(v, opts)]
+    entry = BACKENDS.get(impl) if isinstance(impl, str) else None
+    if entry is None or not entry.available:
+        why = "" if entry is None else f" (needs {entry.needs})"
+        raise ValueError(f"unknown impl {impl!r}{why}; valid impls: auto, {', '.join(IMPLS)}")
+    if not entry.supports(v, opts):
+        ok = [n for n, e in IMPLS.items() if e.supports(v, opts)]
         raise ValueError(
             f"impl {impl!r} does not run variant {v.name!r} with options {opts}; "
             f"use one of: auto, {', '.join(ok)}"
         )
-    if impl in ("chunked", "triton") and _functorch_active():
+    impl_opts = entry.check_options(impl_options)
+    if dropout_p > 0 and not entry.dropout:
+        raise ValueError(f"impl={impl!r} has no dropout; use impl='reference' for dropout_p > 0")
+    runs = entry
+    if query.dtype == torch.float64 and entry.float64 is not None:
+        runs, impl_opts = BACKENDS[entry.float64], {}
+    if _functorch_active() and not (entry.torch_func and runs.torch_func):
         raise ValueError(
             f"impl={impl!r} does not run under torch.func transforms (grad, vmap, jacrev); "
             "use impl='auto' or impl='reference' there"
         )
-    return v, impl, opts
+    return Resolved(v, runs.name, opts, impl_opts)
 
 
 def attention(
@@ -130,6 +340,7 @@ def attention(
     *,
     variant: str = "lssar",
     impl: str = "auto",
+    impl_options: dict[str, Any] | None = None,
     **options: Any,
 ) -> Tensor:
     """Attention with the paper's variants behind SDPA's signature.
@@ -138,7 +349,8 @@ def attention(
         query: ``(B, H_q, T_q, D)``; key: ``(B, H_kv, T_k, D)``; value: ``(B, H_kv, T_k, D_v)``.
         attn_mask: boolean, ``True`` = may attend, broadcastable to ``(B, H_q, T_q, T_k)``; may be
             combined with ``is_causal`` (padding + causal).
-        dropout_p: dropout on the final weights (``impl="reference"``; auto picks it).
+        dropout_p: dropout on the final weights (``impl="reference"`` and ``"sdpa"``; auto picks
+            the reference); other impls raise a ``ValueError``.
         is_causal: causal mask, bottom-right aligned: query ``t`` of a length-``T_q`` block sits at
             absolute position ``T_k - T_q + t`` (KV cache) and sees keys ``0 .. T_k - T_q + t``.
             For ``T_q == T_k`` this is SDPA's causal mask; for ``T_q != T_k`` SDPA aligns top-left.
@@ -148,7 +360,12 @@ def attention(
         enable_gqa: grouped-query attention, ``H_q`` divisible by ``H_kv``.
         variant: a name from :func:`variants` (``"lssar"``, ``"lssa"``, ``"softmax"``, ...).
         impl: ``"auto"``, ``"reference"``, ``"chunked"``, ``"sdpa"`` (and ``"triton"``,
-            ``"flex"`` where available).
+            ``"flex"`` where available; :func:`implementations` lists them). ``"triton"`` and
+            ``"flex"`` run float64 inputs on ``"chunked"`` (same math).
+        impl_options: options of the implementation named by ``impl`` (not ``"auto"``), e.g.
+            ``{"precise": False}`` for ``"triton"`` (half-precision weights rounded once, as
+            FlashAttention does) or ``{"block": 256}`` for ``"chunked"`` (query rows per
+            block). An unknown name is a ``ValueError`` listing the valid ones.
         **options: the variant's own keyword options (e.g. ``p`` for re-weighting).
 
     Returns:
@@ -158,7 +375,7 @@ def attention(
         statistics are computed in float32 for half-precision inputs.
     """
     check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    v, impl, opts = resolve(variant, impl, query, key, dropout_p, options)
+    v, impl, opts, impl_opts = resolve(variant, impl, query, key, dropout_p, options, impl_options)
     attn_mask = as_4d(attn_mask)
     if attn_mask is not None and attn_mask.shape[-1] == 1 and key.shape[-2] > 1:
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], key.shape[-2])  # a view: no memory
@@ -177,8 +394,7 @@ def attention(
                 f"ssmax `s` must have one entry per query head ({query.shape[1]}), "
                 f"got shape {tuple(opts['s'].shape)}"
             )
-    fn = IMPLS[impl][0]
-    return fn(
+    return BACKENDS[impl].fn(
         query,
         key,
         value,
@@ -189,10 +405,5 @@ def attention(
         enable_gqa,
         variant=v,
         options=opts,
+        **impl_opts,
     )
-
-
-# Optional implementations register themselves (after register_impl exists: they import it).
-if importlib.util.find_spec("triton") is not None:
-    import lssar.ops.triton_kernels  # noqa: E402,F401  (impl "triton")
-import lssar.ops.flex  # noqa: E402,F401  (impl "flex", where FlexAttention exists)

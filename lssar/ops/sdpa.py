@@ -38,11 +38,7 @@ def sdpa_attention(
     fused_causal = attn_mask is None and (not is_causal or t_q == t_k)
     mask = None if fused_causal else combined_mask(attn_mask, is_causal, t_q, t_k, query.device)
     if variant.scaling != "sdpa":
-        if attn_mask is None and is_causal:  # N_i = T_k - T_q + i + 1
-            n = (torch.arange(t_q, device=query.device) + (t_k - t_q + 1)).clamp(0, t_k)
-            n = n.to(torch.float32).reshape(1, 1, -1, 1)
-        else:
-            n = visible_counts(mask, t_q, t_k, query.device)
+        n = visible_counts(attn_mask, is_causal, t_q, t_k, query.device)
         n = n.to(compute_dtype(query.dtype))
         if variant.scaling == "log_n":
             c = length_scale(n, d)

@@ -41,6 +41,17 @@ class Variant:
         """The family the fused kernels run: softplus, l1-normalised, a row scale ``c_i``."""
         return self.phi == "softplus" and self.l1 and self.scaling in ("sdpa", "log_n")
 
+    @property
+    def lssa_family(self) -> bool:
+        """LSSA's rule with any ``p``: softplus, l1, ``c_i = ln(d) ln(N_i)`` on cosines."""
+        return (
+            self.phi == "softplus"
+            and self.l1
+            and self.scaling == "log_n"
+            and self.qk_norm
+            and not self.divide_by_n
+        )
+
     def softplus_scale(self, d: int, scale: float | None) -> tuple[float, bool]:
         """``(c, log_n)`` for the fused kernels: ``c_i = c ln(N_i)`` if ``log_n`` else ``c``."""
         if self.scaling == "log_n":

@@ -1,0 +1,362 @@
+"""Host code of ``impl="triton"``: N_i and norms, launches, custom ops, the public function.
+
+The kernels are :mod:`lssar.ops.triton.kernels`. Conventions (shared with every implementation,
+see :mod:`lssar.ops.common`): layout ``[B, H, T, D]``; GQA with head ``h`` reading kv head
+``h // (H_q / H_kv)``; bottom-right causal alignment (query ``t`` sits at absolute position
+``T_k - T_q + t``); boolean ``attn_mask`` broadcastable to ``[B, H_q, T_q, T_k]``, combinable with
+``is_causal``; ``N_i`` = visible keys (:func:`lssar.ops.common.visible_counts`, a
+``[B, H_q, T_q]`` vector computed in torch before the launch). Head dims up to 256 (any value:
+tiles are padded to a power of two); ``D_v`` may differ from ``D``.
+
+Inputs ``q, k`` of the length-scaled variants are L2-normalised *inside* the kernels: the raw
+``q . k`` dot (fp32 accumulation) is scaled by fp32 inverse norms
+(:func:`lssar.ops.common.inv_norm`), which is as accurate as normalising in fp32 and keeps the
+kernels' inputs in the model's dtype. The op's gradients are taken through the normalisation in
+fp32 (``dq = dq_fix - q_hat (q_hat . dq_fix)``).
+
+Precision: for half inputs the fp32 weights / score gradients must enter the tensor cores in the
+input dtype: by default (``precise=True``) each goes in as a ``hi + lo`` pair (two MMAs, error
+~2^-16 instead of 2^-9 for bf16), which keeps outputs and gradients as accurate as the
+fp32-computed reference; ``precise=False`` rounds once, as FlashAttention does (1 MMA, ~2x the
+reference's error). ``precise`` is this implementation's option:
+``lssar.attention(..., impl="triton", impl_options={"precise": False})``.
+
+Limits: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (slow; for tests). ``float64``
+inputs run on :func:`lssar.ops.chunked.chunked_attention` (``lssar.attention`` routes them there;
+same math, exact in float64). No dropout. Block sizes are autotuned per (head dim, flags, length
+bucket) on the GPU; under the interpreter a fixed 16 x 16 tile is used. ``TRITON_INTERPRET=1``
+must be set before ``triton`` is first imported. Two Triton 3.9 interpreter defects are worked
+around only when interpreting: bf16 ``tl.dot`` (wrong: operands are upcast) and fp32 -> bf16
+stores (truncated: torch rounds the output instead).
+"""
+
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+
+from lssar.ops.common import NORM_EPS, as_4d, inv_norm, uniform_tolerance, visible_counts
+from lssar.ops.triton import kernels as K
+from lssar.ops.variants import Variant
+
+MAX_HEAD_DIM = 256
+INTERPRET_BLOCK = 16  # tl.dot needs tiles of at least 16
+UNIFORM_TOL = uniform_tolerance(torch.float32)  # statistics are fp32 for every input dtype
+# the kernels were decorated for the interpreter (a module constant: torch.compile reads it)
+_INTERPRETED = K.INTERPRETED
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were decorated for the interpreter (TRITON_INTERPRET=1 at import)."""
+    return _INTERPRETED
+
+
+def _launch(kernel, tuned, rows: int, parallel: int, *args: Any, **kwargs: Any) -> None:
+    """Launch ``ceil(rows / block) x parallel`` programs; fixed 16x16 tiles when interpreted."""
+    if _interpreting():
+        grid = (triton.cdiv(rows, INTERPRET_BLOCK), parallel)
+        kernel[grid](*args, BM=INTERPRET_BLOCK, BN=INTERPRET_BLOCK, **kwargs)
+        return
+    block = "BN" if kernel is K.bwd_dkdv_kernel else "BM"
+    tuned[lambda meta: (triton.cdiv(rows, meta[block]), parallel)](*args, **kwargs)
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _len_key(t: int) -> int:
+    """Autotuning bucket for a sequence length (re-tuning per decode step would be ruinous)."""
+    return min(triton.next_power_of_2(max(t, 1)), 1 << 14)
+
+
+def _p_int(p: float | None) -> int:
+    """``p`` as a compile-time integer when it is one in [1, 127], else 0 (exp2/log2 path)."""
+    if p is not None and p == int(p) and 1 <= p <= 127:
+        return int(p)
+    return 0
+
+
+def _unit_scale(x: Tensor) -> Tensor:
+    # by a power of two near the largest entry: exact in every dtype, so no rounding is added
+    big = x.detach().abs().amax(-1, keepdim=True).to(torch.float32)
+    ok = (big > 0) & torch.isfinite(big)
+    pow2 = torch.exp2(torch.floor(torch.log2(torch.where(ok, big, 1.0))))
+    return (x.to(torch.float32) / pow2).to(x.dtype)
+
+
+def _unnormalise_grad(x: Tensor, g_fix: Tensor) -> Tensor:
+    """Gradient through ``x_hat = x / max(||x||, eps)`` from the fixed-norm gradient ``g_fix``.
+
+    ``g_fix = dL/dx`` with the norm held constant (what the kernels produce); the norm's own
+    dependence removes the radial part: ``dx = g_fix - x_hat (x_hat . g_fix)`` (unless clamped).
+    """
+    xf = x.to(torch.float32)
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    x_hat = xf / norm.clamp_min(NORM_EPS)
+    radial = (x_hat * g_fix).sum(-1, keepdim=True) * (norm > NORM_EPS)
+    return torch.where(norm > 0, g_fix - x_hat * radial, 0.0)  # a zero vector: zero gradient
+
+
+class _Launch:
+    """Everything the four kernels share: pointers' strides, sizes, flags."""
+
+    def __init__(self, q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats):
+        B, H, t_q, d = q.shape
+        hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+        self.B, self.H, self.HK, self.t_q, self.t_k = B, H, hk, t_q, t_k
+        self.q, self.k, self.v = q, k, v
+        self.stats = stats
+        self.iq = inv_norm(q) if qk_norm else stats
+        self.ik = inv_norm(k) if qk_norm else stats
+        m4 = as_4d(mask)
+        if m4 is None:
+            self.m, self.mstrides = stats, (0, 0, 0, 0)
+        else:
+            # bool -> uint8 view keeps the broadcast (zero) strides: no copy of the mask
+            self.m = m4.expand(B, H, t_q, t_k).view(torch.uint8)
+            self.mstrides = self.m.stride()
+        pp = 1.0 if p is None else p
+        self.scalars = (H, H // hk, t_q, t_k, t_k - t_q, B * H * t_q, scale, pp, UNIFORM_TOL)
+        self.keys = (_len_key(t_q), _len_key(t_k))
+        self.meta = dict(
+            D=d,
+            DV=dv,
+            BD=_pow2(d),
+            BDV=_pow2(dv),
+            CAUSAL=bool(is_causal),
+            HAS_MASK=m4 is not None,
+            LOG_N=bool(log_n),
+            QK_NORM=bool(qk_norm),
+            REWEIGHT=p is not None,
+            P_INT=_p_int(p),
+            IEEE=q.dtype == torch.float32,
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+            SPLIT=bool(precise) and q.dtype in (torch.float16, torch.bfloat16),
+        )
+
+    def strides(self, *ts: Tensor) -> tuple[int, ...]:
+        return tuple(s for t in ts for s in t.stride()[:3])
+
+
+def _contiguous_last(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    B, H, t_q, _ = q.shape
+    t_k = k.shape[2]
+    # the Triton 3.9 interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): let torch
+    # round the interpreter's bf16 outputs
+    buf_dtype = torch.float32 if _interpreting() and q.dtype == torch.bfloat16 else q.dtype
+    out = torch.zeros(B, H, t_q, v.shape[-1], dtype=buf_dtype, device=q.device)
+    stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=q.device)  # N, mu, x_max, W
+    if t_q == 0 or t_k == 0 or B * H == 0:
+        return out, stats
+    n = visible_counts(mask, is_causal, t_q, t_k, q.device)  # (B|1, H|1, T_q|1, 1)
+    stats[0] = n.squeeze(-1).expand(B, H, t_q)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats)
+    _launch(
+        K.fwd_kernel,
+        K.fwd_tuned,
+        t_q,
+        B * H,
+        q, k, v, out, stats, L.iq, L.ik, L.m,
+        *L.strides(q, k, v, out), *L.mstrides,
+        *L.scalars, *L.keys,
+        **L.meta,
+    )  # fmt: skip
+    return out.to(q.dtype), stats
+
+
+def _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise):
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    grad, out = _contiguous_last(grad), _contiguous_last(out)
+    B, H, t_q, d = q.shape
+    hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if t_q == 0 or t_k == 0 or B * H == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats)
+    bd, bdv = L.meta["BD"], L.meta["BDV"]
+    dev = q.device
+    df = torch.empty(2, B, H, t_q, dtype=torch.float32, device=dev)  # D_i, F_i
+    dq = torch.empty(B, H, t_q, bd, dtype=torch.float32, device=dev)
+    dk = torch.empty(B, hk, t_k, bd, dtype=torch.float32, device=dev)
+    dvv = torch.empty(B, hk, t_k, bdv, dtype=torch.float32, device=dev)
+    common = (*L.scalars, *L.keys)
+    _launch(
+        K.bwd_rows_kernel,
+        K.rows_tuned,
+        t_q,
+        B * H,
+        q, k, v, out, grad, stats, df, L.iq, L.ik, L.m,
+        *L.strides(q, k, v, out, grad), *L.mstrides,
+        *common,
+        **L.meta,
+    )  # fmt: skip
+    _launch(
+        K.bwd_dq_kernel,
+        K.dq_tuned,
+        t_q,
+        B * H,
+        q, k, v, grad, stats, df, L.iq, L.ik, L.m, dq,
+        *L.strides(q, k, v, grad), *L.mstrides,
+        *common,
+        **L.meta,
+    )  # fmt: skip
+    _launch(
+        K.bwd_dkdv_kernel,
+        K.dkdv_tuned,
+        t_k,
+        B * hk,
+        q, k, v, grad, stats, df, L.iq, L.ik, L.m, dk, dvv,
+        *L.strides(q, k, v, grad), *L.mstrides,
+        *common,
+        **L.meta,
+    )  # fmt: skip
+    dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]
+    if qk_norm:
+        dq, dk = _unnormalise_grad(q, dq), _unnormalise_grad(k, dk)
+    return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype)
+
+
+@torch.library.custom_op("lssar::triton_softplus_attention", mutates_args=())
+def triton_softplus_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    log_n: bool,
+    qk_norm: bool,
+    p: float | None,
+    precise: bool,
+) -> tuple[Tensor, Tensor]:
+    """Fused forward. ``q (B,H_q,T_q,D)``, ``k (B,H_kv,T_k,D)``, ``v (B,H_kv,T_k,D_v)`` ->
+    ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W).
+
+    ``scale`` is ``ln(D)`` when ``log_n`` (then ``c_i = scale * ln N_i``), else the constant ``c``;
+    ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None;
+    ``precise`` splits half-precision weights into two products (see :func:`triton_attention`).
+    """
+    return _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise)
+
+
+@triton_softplus_attention_op.register_fake
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
+    B, H, t_q, _ = q.shape
+    return q.new_empty(B, H, t_q, v.shape[-1]), q.new_empty(4, B, H, t_q, dtype=torch.float32)
+
+
+@torch.library.custom_op("lssar::triton_softplus_attention_backward", mutates_args=())
+def triton_softplus_attention_backward_op(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    mask: Tensor | None,
+    stats: Tensor,
+    is_causal: bool,
+    scale: float,
+    log_n: bool,
+    qk_norm: bool,
+    p: float | None,
+    precise: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``; dk/dv summed over
+    each GQA group."""
+    return _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise)
+
+
+@triton_softplus_attention_backward_op.register_fake
+def _(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, out, mask, stats)
+    ctx.args = (is_causal, scale, log_n, qk_norm, p, precise)
+    ctx.mark_non_differentiable(stats)
+
+
+def _autograd_backward(ctx, grad, _grad_stats):
+    q, k, v, out, mask, stats = ctx.saved_tensors
+    dq, dk, dv = triton_softplus_attention_backward_op(
+        grad.contiguous(), q, k, v, out, mask, stats, *ctx.args
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+triton_softplus_attention_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def triton_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    variant: Variant,
+    options: dict[str, Any],
+    precise: bool = True,
+) -> Tensor:
+    """Fused softplus-l1 attention (lssa, lssar, softplus-l1; any ``p``) on Triton.
+
+    Same contract as :func:`lssar.ops.reference.reference_attention`:
+    ``query (B, H_q, T_q, D)``, ``key (B, H_kv, T_k, D)``, ``value (B, H_kv, T_k, D_v)`` ->
+    ``(B, H_q, T_q, D_v)`` in the input dtype. ``attn_mask`` is boolean (True = may attend),
+    broadcastable to ``(B, H_q, T_q, T_k)``, combinable with ``is_causal`` (bottom-right aligned).
+    Rows with no visible key are 0 with 0 gradients. Needs CUDA tensors, or ``TRITON_INTERPRET=1``
+    for CPU tensors; float64 inputs are refused here (``lssar.attention`` runs them on
+    ``impl="chunked"``). ``precise=False`` trades half-precision accuracy for speed (see the module
+    docstring); through the public API: ``lssar.attention(..., impl="triton",
+    impl_options={"precise": False})``. The arguments are checked by ``lssar.attention``.
+    """
+    if dropout_p > 0:
+        raise ValueError("impl='triton' has no dropout; use impl='reference' for dropout_p > 0")
+    if not variant.softplus_l1:
+        raise ValueError(f"impl='triton' runs the softplus-l1 variants, not {variant.name!r}")
+    if query.dtype == torch.float64:  # lssar.attention runs these on impl='chunked'
+        raise ValueError(
+            "impl='triton' has no float64 kernels; lssar.attention(..., impl='triton') runs "
+            "float64 inputs on impl='chunked' (same math)"
+        )
+    if not query.is_cuda and not _interpreting():
+        raise RuntimeError(
+            f"impl='triton' needs a CUDA device or TRITON_INTERPRET=1 (got {query.device} "
+            "tensors; the variable must be set before triton is first imported)"
+        )
+    d, dv = query.shape[-1], value.shape[-1]
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"impl='triton' supports head dims up to {MAX_HEAD_DIM}, got {d}, {dv}")
+    c, log_n = variant.softplus_scale(d, scale)
+    p = options.get("p")
+    if variant.qk_norm:  # divide by the largest entry first: the in-kernel norm then sees
+        # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant
+        query, key = _unit_scale(query), _unit_scale(key)
+    out, _ = triton_softplus_attention_op(
+        query,
+        key,
+        value,
+        attn_mask,
+        bool(is_causal),
+        float(c),
+        log_n,
+        bool(variant.qk_norm),
+        None if p is None else float(p),
+        bool(precise),
+    )
+    return out
+
+
+__all__ = ["triton_attention", "triton_softplus_attention_op"]
