@@ -153,6 +153,7 @@ def test_end_to_end_rows_and_report(tmp_path):
     assert by[("lssa -> lssar p=15 (eval)", 2, "all")]["eval_attn"] == "lssar"
     rep = (out / "REPORT.md").read_text()
     assert "## Accuracy by length" in rep and "One seed: no confidence intervals" in rep
+    assert "Training runs: commit " in rep  # provenance: the commits the numbers come from
     assert "**supported: " not in rep  # one seed: nothing supported
     for png in ("accuracy_vs_length.png", "distance_split.png", "attention_maps.png"):
         assert (out / png).stat().st_size > 1000

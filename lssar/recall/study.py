@@ -428,6 +428,8 @@ def run_unit(
                 "run": str(rd),
                 "train_seconds": done.get("train_seconds"),
                 "final_train_acc": (done.get("log") or [{}])[-1].get("acc"),
+                "git_sha": done.get("env", {}).get("git_sha"),
+                "git_dirty": done.get("env", {}).get("git_dirty"),
             }
         )
         for p in _eval_ps(cfg, arm):
