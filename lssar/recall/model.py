@@ -4,7 +4,7 @@ Why the shift. Retrieving ``v`` for a query ``k`` from a context ``... k v ...``
 value's position, the identity of the token before it. A plain GPT has to learn that with a
 previous-token attention head in its first layer, and the answer head in the second layer only
 gets a signal once that head exists (the induction-head plateau). On 2 CPU cores the 2-layer GPT
-stayed on that plateau (chance, or answering by elimination) for 2,000-8,000 steps in every
+stayed on that plateau (chance, or answering by elimination) for up to 2,500 steps in every
 setting the pilot tried (``reports/recall-*/PILOT.md``), so no arm could be scored. With a token
 shift (each position's input is its token's embedding plus a second embedding of the token before
 it, as RWKV's token shift or the short convolutions of H3/Based/Mamba) the same GPT learns the

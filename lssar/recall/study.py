@@ -469,8 +469,11 @@ def run_study(
             for f in as_completed(futs):
                 results[futs[f]] = f.result()
                 seed, arms = todo[futs[f]]
-                if bar is not None:
-                    bar.write(f"done: {', '.join(arms)} (seed {seed})")
+                msg = f"done: {', '.join(arms)} (seed {seed})"
+                if bar is None:
+                    print(msg, flush=True)
+                else:
+                    bar.write(msg)
                     bar.update(1)
         if bar is not None:
             bar.close()
