@@ -263,7 +263,7 @@ def test_softmax_matches_sdpa():
     q, k, v = _inputs((2, 4, 4, 33, 33, 32), torch.float32)
     mask = _padding_mask((2, 4, 4, 33, 33, 32))
     mask[:, :, 33 // 2] = True
-    for impl in ["reference", "sdpa", "auto"]:
+    for impl in [*registry.supporting("softmax"), "auto"]:
         for kw in [dict(is_causal=True), dict(attn_mask=mask), dict(scale=0.3)]:
             ours = lssar.attention(q, k, v, variant="softmax", impl=impl, **kw)
             theirs = F.scaled_dot_product_attention(q, k, v, **kw)

@@ -168,7 +168,7 @@ def test_fp16_large_inputs_do_not_overflow_the_norm(impl, name, opts):
     "mask_shape,tq",
     [((40, 40), 1), ((3, 1, 1, 40), 40), ((2, 5, 40, 40), 40), ((1, 1, 1, 1, 40), 40)],
 )
-@pytest.mark.parametrize("impl", ["auto", "reference", "chunked"])
+@pytest.mark.parametrize("impl", ["auto", *registry.IMPLS])
 def test_mask_must_broadcast_to_the_scores(mask_shape, tq, impl):
     q, k, v = _qkv(2, 2, 2, tq, 40, 16)
     mask = torch.ones(mask_shape, dtype=torch.bool)
@@ -206,10 +206,10 @@ def test_no_keys_gives_zeros(impl, name, opts):
     assert dk.shape == k.shape and dv.shape == v.shape
 
 
-@pytest.mark.parametrize("impl", ["auto", "reference", "chunked", "sdpa"])
+@pytest.mark.parametrize("impl", ["auto", *registry.IMPLS])
 def test_zero_head_dim_is_a_value_error(impl):
     q = torch.randn(1, 2, 4, 0)
-    name = "softmax" if impl == "sdpa" else "lssar"
+    name = "lssar" if impl in ("auto", *registry.supporting("lssar")) else "softmax"
     with pytest.raises(ValueError, match="head dims"):
         lssar.attention(q, q, q, variant=name, impl=impl)
 

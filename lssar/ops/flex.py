@@ -36,7 +36,6 @@ Limits (torch >= 2.9 for ``AuxRequest``; the registry lists the impl only when i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lssar.ops.common import as_4d, centring_mean, inv_norm, uniform_tolerance, visible_counts
+from lssar.ops.common import (
+    as_4d,
+    centring_mean,
+    inv_norm,
+    length_scale,
+    uniform_tolerance,
+    visible_counts,
+)
 from lssar.ops.variants import Variant
 
 try:
@@ -172,7 +178,7 @@ def flex_attention_impl(
     mask4 = as_4d(attn_mask)
     n = visible_counts(mask4, is_causal, t_q, t_k, query.device).squeeze(-1).expand(B, H, t_q)
     inv_q, inv_k = inv_norm(query), inv_norm(key)  # (B, H, T_q), (B, H_kv, T_k)
-    cq = math.log(d) * torch.log(n.clamp_min(1.0)) * inv_q  # c_i / |q_i|  (B, H, T_q)
+    cq = length_scale(n, d) * inv_q  # c_i / |q_i|  (B, H, T_q)
     p = options.get("p")
     # LSSA needs no statistics: one call on every device; LSSAR on CPU cannot get the LSE
     fn = _sentinel_path if on_cpu and p is not None else _lse_path
