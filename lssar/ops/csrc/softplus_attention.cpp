@@ -1,0 +1,389 @@
+// Fused CPU kernel for softplus-l1 attention (LSSA, LSSAR with any p, softplus-l1).
+//
+// The host (lssar/ops/chunked.py) normalises q and k in float32 and passes everything as float32
+// [BH, T, D] contiguous tensors. Per query-row block this kernel makes the score slab with one
+// GEMM (MKL through at::mm), turns it into weights in two fused, vectorised passes over each row
+// while the row is in cache (pass 1: softplus, Z_i, max_j s_ij; pass 2: r_ij^p), and multiplies
+// by V with a second GEMM: METHOD.md sections 4 and 5, the same arithmetic as chunked's eager
+// path, but 2 passes over the slab instead of about a dozen. OpenMP (at::parallel_for) runs over
+// batch x heads x row blocks (forward) and batch x heads (backward, which owns dk/dv per head).
+//
+// Rows where every visible softplus underflows float32 (all scores below about -104) are not
+// handled here: the kernel reports them and the host recomputes the call on its eager path.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+struct Problem {
+  int64_t BH, H, t_q, t_k, d, dv, offset, rows;
+  bool causal, log_n, reweight;
+  float scale, p;
+  const bool* mask = nullptr;  // [B, H, T_q, T_k] with (possibly zero) strides
+  int64_t ms_b = 0, ms_h = 0, ms_q = 0, ms_k = 0;
+  float tol;  // uniform-row tolerance, 64 eps
+
+  // keys 0..row_end(i) - 1 can be visible to row i
+  int64_t row_end(int64_t i) const {
+    if (!causal) return t_k;
+    return std::clamp<int64_t>(offset + i + 1, 0, t_k);
+  }
+  const bool* mask_row(int64_t bh, int64_t i) const {
+    return mask + (bh / H) * ms_b + (bh % H) * ms_h + i * ms_q;
+  }
+  float count(int64_t bh, int64_t i) const {
+    int64_t e = row_end(i);
+    if (!mask) return static_cast<float>(e);
+    const bool* m = mask_row(bh, i);
+    int64_t n = 0;
+    for (int64_t j = 0; j < e; ++j) n += m[j * ms_k];
+    return static_cast<float>(n);
+  }
+};
+
+inline Vec softplus(Vec s) {
+  // max(s, 0) + log1p(exp(-|s|)): no overflow, full relative precision for s << 0
+  return at::vec::maximum(s, Vec(0.f)) + (Vec(0.f) - s.abs()).exp().log1p();
+}
+
+inline float softplus1(float s) { return std::max(s, 0.f) + std::log1p(std::exp(-std::fabs(s))); }
+
+inline Vec vsum_max_init() { return Vec(-std::numeric_limits<float>::infinity()); }
+
+// r^p with the same multiplications as the scalar ipow below (repeated squaring), lane-wise
+inline Vec vipow(Vec r, int n) {
+  Vec result(1.f), base = r;
+  bool first = true;
+  while (n) {
+    if (n & 1) {
+      result = first ? base : result * base;
+      first = false;
+    }
+    n >>= 1;
+    if (n) base = base * base;
+  }
+  return result;
+}
+
+inline bool small_int(float p) {
+  int n = static_cast<int>(p);
+  return static_cast<float>(n) == p && n >= 1 && n <= 64;
+}
+
+// r^p (forward weights); r in [0, 1]
+inline Vec vpow(Vec r, float p) { return small_int(p) ? vipow(r, static_cast<int>(p)) : r.pow(Vec(p)); }
+
+// r^(p-1) for the backward: 0 where r = 0 unless p > 1 makes it 0 anyway
+inline Vec vpow_m1(Vec r, float p) {
+  if (p > 1.f) return vpow(r, p - 1.f);
+  Vec pw = r.pow(Vec(p - 1.f));
+  return Vec::blendv(Vec(0.f), pw, r > Vec(0.f));
+}
+
+inline float hsum(Vec x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
+inline float hmax(Vec x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
+}
+
+inline float ipow(float r, float p) {
+  int n = static_cast<int>(p);
+  if (static_cast<float>(n) == p && n >= 1 && n <= 64) {  // repeated squaring, as chunked._ipow
+    float result = 1.f, base = r;
+    bool first = true;
+    while (n) {
+      if (n & 1) {
+        result = first ? base : result * base;
+        first = false;
+      }
+      n >>= 1;
+      if (n) base = base * base;
+    }
+    return result;
+  }
+  return std::pow(r, p);
+}
+
+// The visibility of row i's keys 0..e-1 as floats (1 visible, 0 not) into `mf`, and N_i.
+// Returns nullptr (every key visible) when there is no mask.
+inline const float* visible_row(const Problem& P, int64_t bh, int64_t i, int64_t e, float* mf,
+                                float& n) {
+  if (!P.mask) {
+    n = static_cast<float>(e);
+    return nullptr;
+  }
+  const bool* m = P.mask_row(bh, i);
+  int64_t cnt = 0;
+  for (int64_t j = 0; j < e; ++j) {
+    const bool b = m[j * P.ms_k];
+    mf[j] = b ? 1.f : 0.f;
+    cnt += b;
+  }
+  n = static_cast<float>(cnt);
+  return mf;
+}
+
+// lanes j..j+L-1 that are inside the row (j + lane < e) and visible
+inline Vec lanes(const float* mf, int64_t j, int64_t e) {
+  const int64_t L = Vec::size();
+  if (j + L <= e) return mf ? (Vec::loadu(mf + j) > Vec(0.f)) : (Vec(0.f) == Vec(0.f));
+  Vec in = Vec::set(Vec(0.f), Vec(1.f), e - j);
+  if (mf) in = in * Vec::loadu(mf + j, e - j);
+  return in > Vec(0.f);
+}
+
+// Row statistics and weights over one score row `g` (raw cosines), written to `a` (length
+// e_blk: keys e.. of the block are zero). Returns what the backward needs.
+struct RowStats {
+  float n, c, z, mu, x_max, den;
+  bool big, has, underflow;
+};
+
+inline RowStats row_weights(const Problem& P, float n, const float* mf, const float* g, float* a,
+                            int64_t e, int64_t e_blk) {
+  RowStats st{};
+  st.n = n;
+  st.c = P.log_n ? P.scale * std::log(std::max(n, 1.f)) : P.scale;
+  const Vec cv(st.c), zero(0.f), ninf(-std::numeric_limits<float>::infinity());
+  Vec zs(0.f), mx = ninf;
+  for (int64_t j = 0; j < e; j += Vec::size()) {
+    const Vec ok = lanes(mf, j, e);
+    const Vec s = Vec::loadu(g + j, std::min<int64_t>(Vec::size(), e - j)) * cv;
+    const Vec av = Vec::blendv(zero, softplus(s), ok);  // select: masked inf/nan never read
+    av.store(a + j, std::min<int64_t>(Vec::size(), e - j));
+    zs = zs + av;
+    mx = Vec::blendv(mx, at::vec::maximum(mx, s), ok);
+  }
+  for (int64_t j = e; j < e_blk; ++j) a[j] = 0.f;  // causal tail of the block: never visible
+  const float z = hsum(zs), smax = hmax(mx);
+  st.underflow = (z == 0.f) && (n > 0.f);
+  st.z = z > 0.f ? z : 1.f;
+  st.den = st.z;
+  st.big = n > 3.f;
+  st.has = false;
+  if (!P.reweight || n == 0.f) return st;
+  st.mu = st.big ? st.z / std::max(n, 1.f) : 0.f;
+  const float x_max = std::max(softplus1(smax) - st.mu, 0.f);  // max_j relu(a_ij - mu)
+  st.has = x_max > P.tol * st.mu;
+  if (!st.has) return st;  // a uniform row: LSSA weights a / Z
+  st.x_max = x_max;
+  const Vec inv(1.f / x_max), mu(st.mu);
+  Vec ws(0.f);
+  for (int64_t j = 0; j < e; j += Vec::size()) {
+    const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
+    const Vec r = at::vec::maximum(Vec::loadu(a + j, cnt) - mu, zero) * inv;
+    Vec w = vpow(r, P.p);
+    if (cnt < Vec::size()) w = Vec::set(zero, w, cnt);
+    w.store(a + j, cnt);
+    ws = ws + w;
+  }
+  st.den = hsum(ws);
+  return st;
+}
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask, int64_t H, bool causal, double scale,
+                     bool log_n, double p, int64_t rows) {
+  Problem P{};
+  P.BH = q.size(0);
+  P.H = H;
+  P.t_q = q.size(1);
+  P.t_k = k.size(1);
+  P.d = q.size(2);
+  P.dv = v.size(2);
+  P.offset = P.t_k - P.t_q;
+  P.rows = std::max<int64_t>(1, rows);
+  P.causal = causal;
+  P.log_n = log_n;
+  P.reweight = p > 0;
+  P.scale = static_cast<float>(scale);
+  P.p = static_cast<float>(p);
+  P.tol = 64.f * std::numeric_limits<float>::epsilon();
+  if (mask.has_value()) {
+    const auto& m = *mask;  // [B, H, T_q, T_k] bool, expanded (strides may be 0)
+    TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBool, "mask must be 4-D bool");
+    P.mask = m.data_ptr<bool>();
+    P.ms_b = m.stride(0);
+    P.ms_h = m.stride(1);
+    P.ms_q = m.stride(2);
+    P.ms_k = m.stride(3);
+  }
+  return P;
+}
+
+void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 &&
+                  t.is_contiguous(),
+              name, " must be a contiguous float32 CPU tensor [BH, T, D]");
+}
+
+}  // namespace
+
+// out [BH, T_q, Dv]; returns (out, any_underflow)
+std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const c10::optional<at::Tensor>& mask, int64_t H,
+                                     bool causal, double scale, bool log_n, double p,
+                                     int64_t rows) {
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, rows);
+  auto out = at::zeros({P.BH, P.t_q, P.dv}, q.options());
+  const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
+  std::atomic<bool> underflow{false};
+  at::parallel_for(0, P.BH * n_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf, mfb(P.t_k);
+    std::vector<float> dens(P.rows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / n_blocks, i0 = (task % n_blocks) * P.rows;
+      const int64_t i1 = std::min(P.t_q, i0 + P.rows), R = i1 - i0;
+      const int64_t e_blk = P.row_end(i1 - 1);
+      if (e_blk == 0) continue;
+      buf.resize(R * e_blk);
+      auto slab = at::from_blob(buf.data(), {R, e_blk}, q.options());
+      at::mm_out(slab, q[bh].narrow(0, i0, R), k[bh].narrow(0, 0, e_blk).t());
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = buf.data() + r * e_blk;
+        const int64_t e = P.row_end(i0 + r);
+        float n;
+        const float* mf = visible_row(P, bh, i0 + r, e, mfb.data(), n);
+        RowStats st = row_weights(P, n, mf, row, row, e, e_blk);
+        if (st.underflow) underflow = true;
+        dens[r] = st.den;
+      }
+      auto o = out[bh].narrow(0, i0, R);
+      at::mm_out(o, slab, v[bh].narrow(0, 0, e_blk));
+      float* op = o.data_ptr<float>();
+      for (int64_t r = 0; r < R; ++r) {
+        const float inv = 1.f / dens[r];
+        for (int64_t c = 0; c < P.dv; ++c) op[r * P.dv + c] *= inv;
+      }
+    }
+  });
+  return {out, underflow.load()};
+}
+
+// grad [BH, T_q, Dv] -> (dq, dk, dv, any_underflow)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask, int64_t H, bool causal, double scale, bool log_n,
+    double p, int64_t rows) {
+  check(grad, "grad");
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, rows);
+  auto dq = at::zeros_like(q), dk = at::zeros_like(k), dvv = at::zeros_like(v);
+  std::atomic<bool> underflow{false};
+  const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
+  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gbuf, wbuf, dbuf, gden, mfb(P.rows * P.t_k);
+    std::vector<RowStats> stats(P.rows);
+    std::vector<const float*> mfs(P.rows);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      for (int64_t blk = 0; blk < n_blocks; ++blk) {
+        const int64_t i0 = blk * P.rows, i1 = std::min(P.t_q, i0 + P.rows), R = i1 - i0;
+        const int64_t e_blk = P.row_end(i1 - 1);
+        if (e_blk == 0) continue;
+        gbuf.resize(R * e_blk);
+        wbuf.resize(R * e_blk);
+        dbuf.resize(R * e_blk);
+        gden.resize(R * P.dv);
+        auto G = at::from_blob(gbuf.data(), {R, e_blk}, q.options());
+        auto W = at::from_blob(wbuf.data(), {R, e_blk}, q.options());
+        auto DP = at::from_blob(dbuf.data(), {R, e_blk}, q.options());
+        auto GD = at::from_blob(gden.data(), {R, P.dv}, q.options());
+        auto qb = q[bh].narrow(0, i0, R), kb = k[bh].narrow(0, 0, e_blk),
+             vb = v[bh].narrow(0, 0, e_blk);
+        at::mm_out(G, qb, kb.t());
+        const float* gp = grad[bh].narrow(0, i0, R).data_ptr<float>();
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t e = P.row_end(i0 + r);
+          float n;
+          mfs[r] = visible_row(P, bh, i0 + r, e, mfb.data() + r * P.t_k, n);
+          stats[r] = row_weights(P, n, mfs[r], gbuf.data() + r * e_blk, wbuf.data() + r * e_blk,
+                                 e, e_blk);
+          if (stats[r].underflow) underflow = true;
+          const float inv = 1.f / stats[r].den;
+          for (int64_t c = 0; c < P.dv; ++c) gden[r * P.dv + c] = gp[r * P.dv + c] * inv;
+        }
+        at::mm_out(DP, GD, vb.t());  // dP / den
+        const Vec zero(0.f), one(1.f);
+        for (int64_t r = 0; r < R; ++r) {
+          const RowStats& st = stats[r];
+          const int64_t e = P.row_end(i0 + r);
+          const float* g = gbuf.data() + r * e_blk;
+          const float* w = wbuf.data() + r * e_blk;
+          float* dp = dbuf.data() + r * e_blk;
+          const float* mf = mfs[r];
+          if (st.n == 0.f) {
+            std::fill(dp, dp + e_blk, 0.f);
+            continue;
+          }
+          Vec wdv(0.f);  // D_i / den from the same slab (exact cancellation on one-key rows)
+          for (int64_t j = 0; j < e; j += Vec::size()) {
+            const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
+            wdv = wdv + Vec::loadu(w + j, cnt) * Vec::loadu(dp + j, cnt);
+          }
+          const Vec D(hsum(wdv) / st.den), cv(st.c);
+          const bool rw = P.reweight && st.has;
+          float fn = 0.f;
+          if (rw) {  // dx = p r^(p-1) (dP - D) / x_max, stored over dp; F_i its row sum
+            const Vec inv(1.f / st.x_max), kp(P.p / st.x_max), mu(st.mu);
+            Vec fs(0.f);
+            for (int64_t j = 0; j < e; j += Vec::size()) {
+              const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
+              const Vec ok = lanes(mf, j, e);
+              const Vec a = softplus(Vec::loadu(g + j, cnt) * cv);
+              const Vec rr = at::vec::maximum(a - mu, zero) * inv;
+              const Vec rpm1 = Vec::blendv(zero, vpow_m1(rr, P.p), ok);
+              const Vec dx = rpm1 * (Vec::loadu(dp + j, cnt) - D) * kp;
+              dx.store(dp + j, cnt);
+              fs = fs + Vec::blendv(zero, dx, ok);
+            }
+            if (st.big) fn = hsum(fs) / std::max(st.n, 1.f);
+          } else {
+            for (int64_t j = 0; j < e; j += Vec::size()) {
+              const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
+              (Vec::loadu(dp + j, cnt) - D).store(dp + j, cnt);
+            }
+          }
+          // dS = (dx - F_i / N_i) sigmoid(s), times c_i (so dk gets sum_i c_i dS_ij q_i)
+          const Vec fv(fn);
+          for (int64_t j = 0; j < e; j += Vec::size()) {
+            const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
+            const Vec ok = lanes(mf, j, e);
+            const Vec s = Vec::loadu(g + j, cnt) * cv;
+            const Vec sig = one / (one + (zero - s).exp());
+            const Vec ds = (Vec::loadu(dp + j, cnt) - fv) * sig * cv;
+            Vec::blendv(zero, ds, ok).store(dp + j, cnt);
+          }
+          for (int64_t j = e; j < e_blk; ++j) dp[j] = 0.f;
+        }
+        // dv += W^T (g / den); dq = (c dS) K; dk += (c dS)^T q
+        dvv[bh].narrow(0, 0, e_blk).addmm_(W.t(), GD);
+        auto dqb = dq[bh].narrow(0, i0, R);
+        at::mm_out(dqb, DP, kb);
+        dk[bh].narrow(0, 0, e_blk).addmm_(DP.t(), qb);
+      }
+    }
+  });
+  return {dq, dk, dvv, underflow.load()};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "fused softplus-l1 attention forward (float32, CPU)");
+  m.def("backward", &backward, "fused softplus-l1 attention backward (float32, CPU)");
+}
