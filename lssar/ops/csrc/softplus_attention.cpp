@@ -52,14 +52,32 @@ struct Problem {
   }
 };
 
-inline Vec softplus(Vec s) {
-  // max(s, 0) + log1p(exp(-|s|)): no overflow, full relative precision for s << 0
-  return at::vec::maximum(s, Vec(0.f)) + (Vec(0.f) - s.abs()).exp().log1p();
+// log1p(t) for t in [0, 1]: 2 atanh(u), u = t / (2 + t) in [0, 1/3], by its series to u^17
+// (truncation < 3e-9 relative): full relative precision near 0, where softplus(s) ~ exp(s).
+inline Vec log1p_unit(Vec t) {
+  const Vec u = t / (Vec(2.f) + t), u2 = u * u;
+  Vec poly(1.f / 17.f);
+  for (float c : {15.f, 13.f, 11.f, 9.f, 7.f, 5.f, 3.f, 1.f}) poly = at::vec::fmadd(poly, u2, Vec(1.f / c));
+  return Vec(2.f) * u * poly;
 }
 
-inline float softplus1(float s) { return std::max(s, 0.f) + std::log1p(std::exp(-std::fabs(s))); }
+// softplus(s) = max(s, 0) + log1p(exp(-|s|)), and t = exp(-|s|) for the sigmoid
+inline Vec softplus_t(Vec s, Vec& t) {
+  t = (Vec(0.f) - s.abs()).exp_u20();
+  return at::vec::maximum(s, Vec(0.f)) + log1p_unit(t);
+}
 
-inline Vec vsum_max_init() { return Vec(-std::numeric_limits<float>::infinity()); }
+inline Vec softplus(Vec s) {
+  Vec t;
+  return softplus_t(s, t);
+}
+
+// sigmoid(s) from t = exp(-|s|): 1 / (1 + t) for s >= 0, t / (1 + t) below
+inline Vec sigmoid_t(Vec s, Vec t) {
+  const Vec inv = Vec(1.f) / (Vec(1.f) + t);
+  return Vec::blendv(t * inv, inv, s >= Vec(0.f));
+}
+
 
 // r^p with the same multiplications as the scalar ipow below (repeated squaring), lane-wise
 inline Vec vipow(Vec r, int n) {
@@ -151,23 +169,29 @@ struct RowStats {
   bool big, has, underflow;
 };
 
+// For the backward, `sig` (may alias `g`) receives sigmoid(s_ij) and `rpm1` r_ij^(p-1), so no
+// transcendental function is evaluated twice.
 inline RowStats row_weights(const Problem& P, float n, const float* mf, const float* g, float* a,
-                            int64_t e, int64_t e_blk) {
+                            int64_t e, int64_t e_blk, float* sig = nullptr,
+                            float* rpm1 = nullptr) {
   RowStats st{};
   st.n = n;
   st.c = P.log_n ? P.scale * std::log(std::max(n, 1.f)) : P.scale;
   const Vec cv(st.c), zero(0.f), ninf(-std::numeric_limits<float>::infinity());
   Vec zs(0.f), mx = ninf;
   for (int64_t j = 0; j < e; j += Vec::size()) {
+    const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
     const Vec ok = lanes(mf, j, e);
-    const Vec s = Vec::loadu(g + j, std::min<int64_t>(Vec::size(), e - j)) * cv;
-    const Vec av = Vec::blendv(zero, softplus(s), ok);  // select: masked inf/nan never read
-    av.store(a + j, std::min<int64_t>(Vec::size(), e - j));
+    const Vec s = Vec::loadu(g + j, cnt) * cv;
+    Vec t;
+    const Vec av = Vec::blendv(zero, softplus_t(s, t), ok);  // select: masked inf/nan not read
+    if (sig) sigmoid_t(s, t).store(sig + j, cnt);
+    av.store(a + j, cnt);
     zs = zs + av;
-    mx = Vec::blendv(mx, at::vec::maximum(mx, s), ok);
+    mx = at::vec::maximum(mx, av);
   }
   for (int64_t j = e; j < e_blk; ++j) a[j] = 0.f;  // causal tail of the block: never visible
-  const float z = hsum(zs), smax = hmax(mx);
+  const float z = hsum(zs), a_max = hmax(mx);
   st.underflow = (z == 0.f) && (n > 0.f);
   st.z = z > 0.f ? z : 1.f;
   st.den = st.z;
@@ -175,7 +199,7 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
   st.has = false;
   if (!P.reweight || n == 0.f) return st;
   st.mu = st.big ? st.z / std::max(n, 1.f) : 0.f;
-  const float x_max = std::max(softplus1(smax) - st.mu, 0.f);  // max_j relu(a_ij - mu)
+  const float x_max = std::max(a_max - st.mu, 0.f);  // max_j relu(a_ij - mu)
   st.has = x_max > P.tol * st.mu;
   if (!st.has) return st;  // a uniform row: LSSA weights a / Z
   st.x_max = x_max;
@@ -184,7 +208,14 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
   for (int64_t j = 0; j < e; j += Vec::size()) {
     const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
     const Vec r = at::vec::maximum(Vec::loadu(a + j, cnt) - mu, zero) * inv;
-    Vec w = vpow(r, P.p);
+    Vec w;
+    if (rpm1) {  // r^(p-1) kept for dx; r^p from it with one multiply (as chunked does)
+      const Vec rp = vpow_m1(r, P.p);
+      rp.store(rpm1 + j, cnt);
+      w = rp * r;
+    } else {
+      w = vpow(r, P.p);
+    }
     if (cnt < Vec::size()) w = Vec::set(zero, w, cnt);
     w.store(a + j, cnt);
     ws = ws + w;
@@ -289,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
   std::atomic<bool> underflow{false};
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
   at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> gbuf, wbuf, dbuf, gden, mfb(P.rows * P.t_k);
+    std::vector<float> gbuf, wbuf, dbuf, rbuf, gden, mfb(P.rows * P.t_k);
     std::vector<RowStats> stats(P.rows);
     std::vector<const float*> mfs(P.rows);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -300,6 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
         gbuf.resize(R * e_blk);
         wbuf.resize(R * e_blk);
         dbuf.resize(R * e_blk);
+        if (P.reweight) rbuf.resize(R * e_blk);
         gden.resize(R * P.dv);
         auto G = at::from_blob(gbuf.data(), {R, e_blk}, q.options());
         auto W = at::from_blob(wbuf.data(), {R, e_blk}, q.options());
@@ -313,18 +345,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
           const int64_t e = P.row_end(i0 + r);
           float n;
           mfs[r] = visible_row(P, bh, i0 + r, e, mfb.data() + r * P.t_k, n);
-          stats[r] = row_weights(P, n, mfs[r], gbuf.data() + r * e_blk, wbuf.data() + r * e_blk,
-                                 e, e_blk);
+          float* g = gbuf.data() + r * e_blk;  // cosines in, sigmoid(s) out
+          stats[r] = row_weights(P, n, mfs[r], g, wbuf.data() + r * e_blk, e, e_blk, g,
+                                 P.reweight ? rbuf.data() + r * e_blk : nullptr);
           if (stats[r].underflow) underflow = true;
           const float inv = 1.f / stats[r].den;
           for (int64_t c = 0; c < P.dv; ++c) gden[r * P.dv + c] = gp[r * P.dv + c] * inv;
         }
         at::mm_out(DP, GD, vb.t());  // dP / den
-        const Vec zero(0.f), one(1.f);
         for (int64_t r = 0; r < R; ++r) {
           const RowStats& st = stats[r];
           const int64_t e = P.row_end(i0 + r);
-          const float* g = gbuf.data() + r * e_blk;
+          const float* sg = gbuf.data() + r * e_blk;  // sigmoid(s_ij), from row_weights
           const float* w = wbuf.data() + r * e_blk;
           float* dp = dbuf.data() + r * e_blk;
           const float* mf = mfs[r];
@@ -337,19 +369,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
             const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
             wdv = wdv + Vec::loadu(w + j, cnt) * Vec::loadu(dp + j, cnt);
           }
-          const Vec D(hsum(wdv) / st.den), cv(st.c);
+          const Vec D(hsum(wdv) / st.den), cv(st.c), zero(0.f);
           const bool rw = P.reweight && st.has;
           float fn = 0.f;
           if (rw) {  // dx = p r^(p-1) (dP - D) / x_max, stored over dp; F_i its row sum
-            const Vec inv(1.f / st.x_max), kp(P.p / st.x_max), mu(st.mu);
+            const Vec kp(P.p / st.x_max);
+            const float* rp = rbuf.data() + r * e_blk;  // r^(p-1), 0 on masked keys
             Vec fs(0.f);
             for (int64_t j = 0; j < e; j += Vec::size()) {
               const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
               const Vec ok = lanes(mf, j, e);
-              const Vec a = softplus(Vec::loadu(g + j, cnt) * cv);
-              const Vec rr = at::vec::maximum(a - mu, zero) * inv;
-              const Vec rpm1 = Vec::blendv(zero, vpow_m1(rr, P.p), ok);
-              const Vec dx = rpm1 * (Vec::loadu(dp + j, cnt) - D) * kp;
+              const Vec dx = Vec::loadu(rp + j, cnt) * (Vec::loadu(dp + j, cnt) - D) * kp;
               dx.store(dp + j, cnt);
               fs = fs + Vec::blendv(zero, dx, ok);
             }
@@ -365,9 +395,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
           for (int64_t j = 0; j < e; j += Vec::size()) {
             const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
             const Vec ok = lanes(mf, j, e);
-            const Vec s = Vec::loadu(g + j, cnt) * cv;
-            const Vec sig = one / (one + (zero - s).exp());
-            const Vec ds = (Vec::loadu(dp + j, cnt) - fv) * sig * cv;
+            const Vec ds = (Vec::loadu(dp + j, cnt) - fv) * Vec::loadu(sg + j, cnt) * cv;
             Vec::blendv(zero, ds, ok).store(dp + j, cnt);
           }
           for (int64_t j = e; j < e_blk; ++j) dp[j] = 0.f;
