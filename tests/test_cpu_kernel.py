@@ -77,3 +77,23 @@ def test_disable_switch_uses_the_eager_path(monkeypatch):
     monkeypatch.setattr(cpu_kernel, "_loaded", {})
     monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
     assert cpu_kernel.kernel() is None
+
+
+@pytest.mark.parametrize("p", [None, 15.0, 2.5])
+def test_key_tiles_add_up_to_the_whole_row(p):
+    """The forward's key tiling (LSSA's default; LSSAR's two-pass form, whose scores are
+    recomputed per tile) gives the one-tile result, with a mask, causal, T_q != T_k."""
+    from lssar.ops.common import unit
+
+    mod = cpu_kernel.kernel()
+    g = torch.Generator().manual_seed(3)
+    b, h, tq, tk, d = 2, 3, 37, 53, 16
+    q = unit(torch.randn(b * h, tq, d, generator=g))
+    k = unit(torch.randn(b * h, tk, d, generator=g))
+    v = torch.randn(b * h, tk, d, generator=g)
+    mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
+    args = (mask, h, True, 4.16, True, -1.0 if p is None else p, 16)
+    whole, uf1 = mod.forward(q, k, v, *args, tk)
+    tiled, uf2 = mod.forward(q, k, v, *args, 16)
+    assert not uf1 and not uf2
+    assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6)

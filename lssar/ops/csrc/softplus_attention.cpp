@@ -262,44 +262,136 @@ void check(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
-// out [BH, T_q, Dv]; returns (out, any_underflow)
+extern "C" void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b,
+                       const int* ldb, const float* beta, float* c, const int* ldc);
+
+// Row-major C[m x n] (ldc) = beta C + A[m x k] op(B): B is [n x k] (b_t: C = A B^T) or [k x n].
+// BLAS directly (MKL, in libtorch_cpu): the tiled forward makes thousands of small GEMMs, and
+// at::mm's dispatch would cost as much as the arithmetic.
+inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, bool b_t, float beta, float* c, int64_t ldc) {
+  const int M = m, N = n, K = k, LA = lda, LB = ldb, LC = ldc;
+  const float one = 1.f;
+  // column-major view: C^T (n x m) = op(B)^T A^T
+  sgemm_(b_t ? "T" : "N", "N", &N, &M, &K, &one, b, &LB, a, &LA, &beta, c, &LC);
+}
+
+// The visibility of row i's keys k0..k0+n-1 as floats into `mf` (nullptr without a mask).
+inline const float* visible_tile(const Problem& P, int64_t bh, int64_t i, int64_t k0, int64_t n,
+                                 float* mf) {
+  if (!P.mask) return nullptr;
+  const bool* m = P.mask_row(bh, i) + k0 * P.ms_k;
+  for (int64_t j = 0; j < n; ++j) mf[j] = m[j * P.ms_k] ? 1.f : 0.f;
+  return mf;
+}
+
+// out [BH, T_q, Dv]; returns (out, any_underflow).
+//
+// Tiled over keys as well as query rows, so a block's scores, K tile and V tile stay in L2 at
+// every length: LSSA in one pass (its normaliser is a plain sum, so tiles simply add up), LSSAR
+// in two (Z_i and max_j a_ij over the key tiles first, then the weights r^p and their products
+// with V; the scores are recomputed, one GEMM more, as METHOD.md section 5 counts).
 std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const c10::optional<at::Tensor>& mask, int64_t H,
                                      bool causal, double scale, bool log_n, double p,
-                                     int64_t rows) {
+                                     int64_t rows, int64_t key_tile) {
   check(q, "q");
   check(k, "k");
   check(v, "v");
   const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, rows);
-  auto out = at::zeros({P.BH, P.t_q, P.dv}, q.options());
+  const int64_t KT = std::max<int64_t>(1, key_tile), D = P.d, DV = P.dv;
+  auto out = at::zeros({P.BH, P.t_q, DV}, q.options());
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   std::atomic<bool> underflow{false};
   at::parallel_for(0, P.BH * n_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf, mfb(P.t_k);
-    std::vector<float> dens(P.rows);
+    const int64_t RR = P.rows;
+    std::vector<float> sbuf(RR * KT), mfb(KT), c(RR), n(RR), z(RR), amax(RR), mu(RR), inv(RR),
+        den(RR);
+    std::vector<char> has(RR);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / n_blocks, i0 = (task % n_blocks) * P.rows;
-      const int64_t i1 = std::min(P.t_q, i0 + P.rows), R = i1 - i0;
+      const int64_t bh = task / n_blocks, i0 = (task % n_blocks) * RR;
+      const int64_t i1 = std::min(P.t_q, i0 + RR), R = i1 - i0;
       const int64_t e_blk = P.row_end(i1 - 1);
       if (e_blk == 0) continue;
-      buf.resize(R * e_blk);
-      auto slab = at::from_blob(buf.data(), {R, e_blk}, q.options());
-      at::mm_out(slab, q[bh].narrow(0, i0, R), k[bh].narrow(0, 0, e_blk).t());
+      const float* qb = qp + (bh * P.t_q + i0) * D;
+      const float* kb = kp + bh * P.t_k * D;
+      const float* vb = vp + bh * P.t_k * DV;
+      float* ob = op + (bh * P.t_q + i0) * DV;
       for (int64_t r = 0; r < R; ++r) {
-        float* row = buf.data() + r * e_blk;
-        const int64_t e = P.row_end(i0 + r);
-        float n;
-        const float* mf = visible_row(P, bh, i0 + r, e, mfb.data(), n);
-        RowStats st = row_weights(P, n, mf, row, row, e, e_blk);
-        if (st.underflow) underflow = true;
-        dens[r] = st.den;
+        n[r] = P.count(bh, i0 + r);
+        c[r] = P.log_n ? P.scale * std::log(std::max(n[r], 1.f)) : P.scale;
+        z[r] = 0.f;
+        amax[r] = 0.f;
+        den[r] = 0.f;
       }
-      auto o = out[bh].narrow(0, i0, R);
-      at::mm_out(o, slab, v[bh].narrow(0, 0, e_blk));
-      float* op = o.data_ptr<float>();
+      // stage 0: row statistics (and, with one key tile, the softplus values kept in sbuf);
+      // 1: LSSA weights into the output; 2: LSSAR weights (from the kept values if one tile)
+      const bool one_tile = e_blk <= KT;
+      auto tiles = [&](int stage) {
+        const Vec zero(0.f);
+        for (int64_t k0 = 0; k0 < e_blk; k0 += KT) {
+          const int64_t kt = std::min(KT, e_blk - k0);
+          const bool kept = stage == 2 && one_tile;  // sbuf holds a_ij already
+          if (!kept) gemm(R, kt, D, qb, D, kb + k0 * D, D, true, 0.f, sbuf.data(), kt);
+          for (int64_t r = 0; r < R; ++r) {
+            float* row = sbuf.data() + r * kt;
+            const int64_t vis = std::clamp<int64_t>(P.row_end(i0 + r) - k0, 0, kt);
+            const float* mf = visible_tile(P, bh, i0 + r, k0, vis, mfb.data());
+            const Vec cv(c[r]), muv(mu[r]), iv(inv[r]);
+            const bool rw = stage == 2 && has[r];
+            Vec zs(0.f), mx(0.f);
+            for (int64_t j = 0; j < vis; j += Vec::size()) {
+              const int64_t cnt = std::min<int64_t>(Vec::size(), vis - j);
+              const Vec ok = lanes(mf, j, vis);
+              const Vec a = kept ? Vec::loadu(row + j, cnt)
+                                 : Vec::blendv(zero, softplus(Vec::loadu(row + j, cnt) * cv), ok);
+              if (stage == 0) {
+                zs = zs + a;
+                mx = at::vec::maximum(mx, a);
+                if (one_tile) a.store(row + j, cnt);
+              } else if (rw) {
+                const Vec w = vpow(at::vec::maximum(a - muv, zero) * iv, P.p);  // 0 if masked
+                w.store(row + j, cnt);
+                zs = zs + Vec::set(zero, w, cnt);
+              } else {
+                a.store(row + j, cnt);
+                zs = zs + a;
+              }
+            }
+            for (int64_t j = vis; j < kt; ++j) row[j] = 0.f;  // causal tail: never visible
+            if (stage == 0) {
+              z[r] += hsum(zs);
+              amax[r] = std::max(amax[r], hmax(mx));
+            } else {
+              den[r] += hsum(zs);
+            }
+          }
+          if (stage != 0) gemm(R, DV, kt, sbuf.data(), kt, vb + k0 * DV, DV, false, 1.f, ob, DV);
+        }
+      };
+      if (!P.reweight) {
+        tiles(1);  // den = Z
+      } else {
+        tiles(0);
+        for (int64_t r = 0; r < R; ++r) {
+          const float zz = z[r] > 0.f ? z[r] : 1.f;
+          mu[r] = n[r] > 3.f ? zz / std::max(n[r], 1.f) : 0.f;
+          const float x_max = std::max(amax[r] - mu[r], 0.f);
+          has[r] = n[r] > 0.f && z[r] > 0.f && x_max > P.tol * mu[r];
+          inv[r] = has[r] ? 1.f / x_max : 0.f;
+          if (z[r] == 0.f && n[r] > 0.f) underflow = true;
+        }
+        tiles(2);  // rows without `has` (uniform up to rounding) get the LSSA weights a / Z
+      }
       for (int64_t r = 0; r < R; ++r) {
-        const float inv = 1.f / dens[r];
-        for (int64_t c = 0; c < P.dv; ++c) op[r * P.dv + c] *= inv;
+        if (!P.reweight && den[r] == 0.f && n[r] > 0.f) underflow = true;
+        const float d = den[r] > 0.f ? den[r] : 1.f, iv = 1.f / d;
+        for (int64_t x = 0; x < DV; ++x) ob[r * DV + x] *= iv;
       }
     }
   });
@@ -412,6 +504,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "fused softplus-l1 attention forward (float32, CPU)");
+  m.def("forward", &forward, "fused softplus-l1 attention forward (float32, CPU, key-tiled)");
   m.def("backward", &backward, "fused softplus-l1 attention backward (float32, CPU)");
 }
