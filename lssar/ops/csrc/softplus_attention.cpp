@@ -1,12 +1,12 @@
 // Fused CPU kernel for softplus-l1 attention (LSSA, LSSAR with any p, softplus-l1).
 //
 // The host (lssar/ops/chunked.py) normalises q and k in float32 and passes everything as float32
-// [BH, T, D] contiguous tensors. Per query-row block this kernel makes the score slab with one
-// GEMM (MKL through at::mm), turns it into weights in two fused, vectorised passes over each row
-// while the row is in cache (pass 1: softplus, Z_i, max_j s_ij; pass 2: r_ij^p), and multiplies
-// by V with a second GEMM: METHOD.md sections 4 and 5, the same arithmetic as chunked's eager
-// path, but 2 passes over the slab instead of about a dozen. OpenMP (at::parallel_for) runs over
-// batch x heads x row blocks (forward) and batch x heads (backward, which owns dk/dv per head).
+// [BH, T, D] contiguous tensors. Forward: per block of query rows, scores by BLAS, weights in
+// vectorised passes over each row while it is in cache (softplus, Z_i and max_j a_ij; then
+// r_ij^p), and a second GEMM with V; LSSA is also tiled over keys, LSSAR keeps a block's softplus
+// values between its two passes. Backward: per batch x head (which owns its dk/dv), the weights
+// again with sigmoid and r^(p-1) kept, then dP, dx, the F_i row term and dS (METHOD.md sections 4
+// and 5, the same arithmetic as chunked's eager path). OpenMP through at::parallel_for.
 //
 // Rows where every visible softplus underflows float32 (all scores below about -104) are not
 // handled here: the kernel reports them and the host recomputes the call on its eager path.
@@ -79,7 +79,7 @@ inline Vec sigmoid_t(Vec s, Vec t) {
 }
 
 
-// r^p with the same multiplications as the scalar ipow below (repeated squaring), lane-wise
+// r^p by repeated squaring (the multiplications of chunked._ipow), lane-wise
 inline Vec vipow(Vec r, int n) {
   Vec result(1.f), base = r;
   bool first = true;
@@ -114,24 +114,6 @@ inline float hsum(Vec x) {
 }
 inline float hmax(Vec x) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
-}
-
-inline float ipow(float r, float p) {
-  int n = static_cast<int>(p);
-  if (static_cast<float>(n) == p && n >= 1 && n <= 64) {  // repeated squaring, as chunked._ipow
-    float result = 1.f, base = r;
-    bool first = true;
-    while (n) {
-      if (n & 1) {
-        result = first ? base : result * base;
-        first = false;
-      }
-      n >>= 1;
-      if (n) base = base * base;
-    }
-    return result;
-  }
-  return std::pow(r, p);
 }
 
 // The visibility of row i's keys 0..e-1 as floats (1 visible, 0 not) into `mf`, and N_i.
