@@ -83,7 +83,7 @@ def test_disable_switch_uses_the_eager_path(monkeypatch):
 def test_key_tiles_add_up_to_the_whole_row(p):
     """The forward's key tiling (LSSA's default; LSSAR's two-pass form, whose scores are
     recomputed per tile) gives the one-tile result, with a mask, causal, T_q != T_k."""
-    from lssar.ops.common import unit
+    from lssar.ops.common import REWEIGHT_MIN_KEYS, uniform_tolerance, unit
 
     mod = cpu_kernel.kernel()
     g = torch.Generator().manual_seed(3)
@@ -92,7 +92,8 @@ def test_key_tiles_add_up_to_the_whole_row(p):
     k = unit(torch.randn(b * h, tk, d, generator=g))
     v = torch.randn(b * h, tk, d, generator=g)
     mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
-    args = (mask, h, True, 4.16, True, -1.0 if p is None else p, 16)
+    rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
+    args = (mask, h, True, 4.16, True, *rule, 16)
     whole, uf1 = mod.forward(q, k, v, *args, tk)
     tiled, uf2 = mod.forward(q, k, v, *args, 16)
     assert not uf1 and not uf2

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lssar.ops.common import (
+    REWEIGHT_MIN_KEYS,
     as_4d,
     causal_mask,
     centred_rows,
@@ -58,7 +59,10 @@ def _fused_rows(t_k: int, block: int) -> int:
 
 def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale, log_n, p, block):
     """Run the C++ kernel's ``name`` on float32 CPU tensors; None where the eager path must run
-    (kernel unavailable, or a row whose every softplus underflowed: relative weights needed)."""
+    (not float32 on CPU, kernel unavailable, or a row whose every softplus underflowed: relative
+    weights needed)."""
+    if tensors[0].dtype != torch.float32 or q.device.type != "cpu":
+        return None
     from lssar.ops.cpu_kernel import kernel
 
     mod = kernel()
@@ -72,9 +76,8 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
         tiling = (block if block > 0 else FUSED_ROWS, FUSED_KEY_TILE if p is None else t_k)
     else:
         tiling = (_fused_rows(t_k, block),)
-    *outs, underflow = getattr(mod, name)(
-        *flat, m4, H, is_causal, scale, log_n, -1.0 if p is None else p, *tiling
-    )
+    rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
+    *outs, underflow = getattr(mod, name)(*flat, m4, H, is_causal, scale, log_n, *rule, *tiling)
     return None if underflow else outs
 
 
@@ -221,7 +224,7 @@ def softplus_attention_op(
     ``k (B,H,T_k,D)``, ``v (B,H,T_k,D_v)`` -> ``(B,H,T_q,D_v)`` in ``q``'s dtype."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
-    if fused and dtype == torch.float32 and q.device.type == "cpu":
+    if fused:
         got = _fused_call("forward", (qf, kf, vf), q, k, mask, is_causal, scale, log_n, p, block)
         if got is not None:
             return got[0].reshape(q.shape[:-1] + v.shape[-1:]).to(v.dtype)
@@ -256,7 +259,7 @@ def softplus_attention_backward_op(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     g = grad.to(dtype)
-    if fused and dtype == torch.float32 and q.device.type == "cpu":
+    if fused:
         got = _fused_call(
             "backward", (g, qf, kf, vf), q, k, mask, is_causal, scale, log_n, p, block
         )

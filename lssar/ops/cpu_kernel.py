@@ -57,9 +57,7 @@ def kernel() -> ModuleType | None:
     """The compiled kernel, or ``None`` (after one warning) where it cannot be built."""
     if "mod" not in _loaded:
         mod = None
-        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-            pass
-        else:
+        if os.environ.get(DISABLE_ENV, "") in ("", "0"):
             try:
                 mod = load()
             except Exception as exc:  # no compiler, no ninja, a failed build: fall back

@@ -32,7 +32,10 @@ struct Problem {
   float scale, p;
   const bool* mask = nullptr;  // [B, H, T_q, T_k] with (possibly zero) strides
   int64_t ms_b = 0, ms_h = 0, ms_q = 0, ms_k = 0;
-  float tol;  // uniform-row tolerance, 64 eps
+  float min_keys;  // re-weighting centres rows with N_i > min_keys (common.REWEIGHT_MIN_KEYS)
+  float tol;       // uniform-row tolerance (common.uniform_tolerance(float32))
+
+  float row_scale(float n) const { return log_n ? scale * std::log(std::max(n, 1.f)) : scale; }
 
   // keys 0..row_end(i) - 1 can be visible to row i
   int64_t row_end(int64_t i) const {
@@ -144,6 +147,23 @@ inline Vec lanes(const float* mf, int64_t j, int64_t e) {
   return in > Vec(0.f);
 }
 
+// The re-weighting's row statistics from N_i, Z_i and max_j a_ij (METHOD.md section 4): the
+// centring mean mu_i, the largest x_ij = max_j relu(a_ij - mu_i), and whether the row has any
+// signal (else every weight is equal up to rounding and the row keeps the LSSA weights).
+struct Reweight {
+  float mu, x_max;
+  bool big, has;
+};
+
+inline Reweight reweight_stats(const Problem& P, float n, float z, float a_max) {
+  Reweight rw{};
+  rw.big = n > P.min_keys;
+  rw.mu = rw.big ? (z > 0.f ? z : 1.f) / std::max(n, 1.f) : 0.f;
+  rw.x_max = std::max(a_max - rw.mu, 0.f);
+  rw.has = n > 0.f && rw.x_max > P.tol * rw.mu;
+  return rw;
+}
+
 // Row statistics and weights over one score row `g` (raw cosines), written to `a` (length
 // e_blk: keys e.. of the block are zero). Returns what the backward needs.
 struct RowStats {
@@ -158,7 +178,7 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
                             float* rpm1 = nullptr) {
   RowStats st{};
   st.n = n;
-  st.c = P.log_n ? P.scale * std::log(std::max(n, 1.f)) : P.scale;
+  st.c = P.row_scale(n);
   const Vec cv(st.c), zero(0.f), ninf(-std::numeric_limits<float>::infinity());
   Vec zs(0.f), mx = ninf;
   for (int64_t j = 0; j < e; j += Vec::size()) {
@@ -177,15 +197,15 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
   st.underflow = (z == 0.f) && (n > 0.f);
   st.z = z > 0.f ? z : 1.f;
   st.den = st.z;
-  st.big = n > 3.f;
   st.has = false;
-  if (!P.reweight || n == 0.f) return st;
-  st.mu = st.big ? st.z / std::max(n, 1.f) : 0.f;
-  const float x_max = std::max(a_max - st.mu, 0.f);  // max_j relu(a_ij - mu)
-  st.has = x_max > P.tol * st.mu;
-  if (!st.has) return st;  // a uniform row: LSSA weights a / Z
-  st.x_max = x_max;
-  const Vec inv(1.f / x_max), mu(st.mu);
+  if (!P.reweight) return st;
+  const Reweight rw = reweight_stats(P, n, z, a_max);
+  st.big = rw.big;
+  st.has = rw.has;
+  if (!st.has) return st;  // no visible key, or a uniform row: LSSA weights a / Z
+  st.mu = rw.mu;
+  st.x_max = rw.x_max;
+  const Vec inv(1.f / st.x_max), mu(st.mu);
   Vec ws(0.f);
   for (int64_t j = 0; j < e; j += Vec::size()) {
     const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
@@ -208,7 +228,7 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const c10::optional<at::Tensor>& mask, int64_t H, bool causal, double scale,
-                     bool log_n, double p, int64_t rows) {
+                     bool log_n, double p, double min_keys, double tol, int64_t rows) {
   Problem P{};
   P.BH = q.size(0);
   P.H = H;
@@ -223,7 +243,8 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.reweight = p > 0;
   P.scale = static_cast<float>(scale);
   P.p = static_cast<float>(p);
-  P.tol = 64.f * std::numeric_limits<float>::epsilon();
+  P.min_keys = static_cast<float>(min_keys);
+  P.tol = static_cast<float>(tol);
   if (mask.has_value()) {
     const auto& m = *mask;  // [B, H, T_q, T_k] bool, expanded (strides may be 0)
     TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBool, "mask must be 4-D bool");
@@ -277,11 +298,12 @@ inline const float* visible_tile(const Problem& P, int64_t bh, int64_t i, int64_
 std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const c10::optional<at::Tensor>& mask, int64_t H,
                                      bool causal, double scale, bool log_n, double p,
-                                     int64_t rows, int64_t key_tile) {
+                                     double min_keys, double tol, int64_t rows,
+                                     int64_t key_tile) {
   check(q, "q");
   check(k, "k");
   check(v, "v");
-  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, rows);
+  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, min_keys, tol, rows);
   const int64_t KT = std::max<int64_t>(1, key_tile), D = P.d, DV = P.dv;
   auto out = at::zeros({P.BH, P.t_q, DV}, q.options());
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
@@ -306,7 +328,7 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
       float* ob = op + (bh * P.t_q + i0) * DV;
       for (int64_t r = 0; r < R; ++r) {
         n[r] = P.count(bh, i0 + r);
-        c[r] = P.log_n ? P.scale * std::log(std::max(n[r], 1.f)) : P.scale;
+        c[r] = P.row_scale(n[r]);
         z[r] = 0.f;
         amax[r] = 0.f;
         den[r] = 0.f;
@@ -361,11 +383,10 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
       } else {
         tiles(0);
         for (int64_t r = 0; r < R; ++r) {
-          const float zz = z[r] > 0.f ? z[r] : 1.f;
-          mu[r] = n[r] > 3.f ? zz / std::max(n[r], 1.f) : 0.f;
-          const float x_max = std::max(amax[r] - mu[r], 0.f);
-          has[r] = n[r] > 0.f && z[r] > 0.f && x_max > P.tol * mu[r];
-          inv[r] = has[r] ? 1.f / x_max : 0.f;
+          const Reweight rw = reweight_stats(P, n[r], z[r], amax[r]);
+          mu[r] = rw.mu;
+          has[r] = rw.has;
+          inv[r] = rw.has ? 1.f / rw.x_max : 0.f;
           if (z[r] == 0.f && n[r] > 0.f) underflow = true;
         }
         tiles(2);  // rows without `has` (uniform up to rounding) get the LSSA weights a / Z
@@ -384,12 +405,12 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, int64_t H, bool causal, double scale, bool log_n,
-    double p, int64_t rows) {
+    double p, double min_keys, double tol, int64_t rows) {
   check(grad, "grad");
   check(q, "q");
   check(k, "k");
   check(v, "v");
-  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, rows);
+  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, min_keys, tol, rows);
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dvv = at::zeros_like(v);
   std::atomic<bool> underflow{false};
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
