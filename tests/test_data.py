@@ -12,6 +12,7 @@ import torch
 
 from lssar.data import (
     default_corpus_files,
+    eval_starts,
     get_batch,
     get_tokenizer,
     iter_eval_windows,
@@ -333,13 +334,15 @@ def test_iter_eval_windows_budget() -> None:
     assert [len(x) for x, _ in batches] == [4, 4, 1]
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
-    assert torch.equal(x.flatten(), torch.arange(90)) and torch.equal(
-        y.flatten(), torch.arange(1, 91)
-    )
+    starts = x[:, 0]
+    # spread over the whole split: first at 0, the last window's target ends at the last token
+    assert starts[0] == 0 and y[-1, -1] == 999
+    assert torch.all(starts.diff() >= 10)  # non-overlapping
+    assert torch.equal(x, starts[:, None] + torch.arange(10)) and torch.equal(y, x + 1)
     for seq_len in (5, 10, 25):  # same scored-token budget at each length
         assert sum(y.numel() for _, y in iter_eval_windows(tokens, seq_len, 100)) == 100
     short = list(iter_eval_windows(tokens[:56], seq_len=10, max_tokens=1000))
-    assert len(short) == 5 and short[-1][1][0, -1].item() == 50  # (56 - 1) // 10 windows
+    assert len(short) == 5 and short[-1][1][0, -1].item() == 55  # (56 - 1) // 10 windows
     with pytest.raises(ValueError, match=r"needs seq_len\+1 = 11 tokens, the split has 10"):
         next(iter_eval_windows(tokens[:10], seq_len=10, max_tokens=100))
     with pytest.raises(ValueError, match="max_tokens >= seq_len"):
@@ -351,3 +354,16 @@ def test_no_stray_temp_files(corpus_dir, tmp_path: Path) -> None:
     out = prepare(str(root), "bpe-300", out_dir=tmp_path / "o", progress=False)
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
     assert "tokenizer_sha256" in read_manifest(out)
+
+
+@pytest.mark.parametrize("n_tokens", [11, 12, 100, 1001, 16385])
+@pytest.mark.parametrize("seq_len", [1, 7, 10])
+@pytest.mark.parametrize("max_tokens", [10, 64, 10**6])
+def test_eval_starts_spread_evenly(n_tokens: int, seq_len: int, max_tokens: int) -> None:
+    s = eval_starts(n_tokens, seq_len, max_tokens)
+    assert len(s) == min((n_tokens - 1) // seq_len, max_tokens // seq_len)
+    assert s[0] == 0 and s[-1] + seq_len <= n_tokens - 1  # every window and its targets fit
+    if len(s) > 1:
+        gaps = np.diff(s)
+        assert gaps.min() >= seq_len and gaps.max() - gaps.min() <= 1  # even, no overlap
+        assert s[-1] + seq_len == n_tokens - 1  # reaches the end of the split

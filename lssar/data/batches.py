@@ -48,10 +48,22 @@ def get_batch(
     return _windows(tokens, starts[rank * batch_size : (rank + 1) * batch_size], seq_len)
 
 
+def eval_starts(n_tokens: int, seq_len: int, max_tokens: int) -> np.ndarray:
+    """Starts of ``min((n_tokens - 1) // seq_len, max_tokens // seq_len)`` non-overlapping
+    windows of ``seq_len + 1`` tokens spread evenly over a split of ``n_tokens``: the first at 0,
+    the last ending at the split's end, so every part of the split is sampled, not only its start.
+    """
+    n = min((n_tokens - 1) // seq_len, max_tokens // seq_len)
+    if n <= 1:
+        return np.zeros(n, dtype=np.int64)
+    # spacing (n_tokens - 1 - seq_len) / (n - 1) >= seq_len because n * seq_len <= n_tokens - 1
+    return np.arange(n, dtype=np.int64) * (n_tokens - 1 - seq_len) // (n - 1)
+
+
 def iter_eval_windows(
     tokens: np.ndarray, seq_len: int, max_tokens: int, batch_size: int = 1
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Contiguous non-overlapping ``(x, y)`` windows from the start of the split.
+    """Non-overlapping ``(x, y)`` windows spread evenly over the split (:func:`eval_starts`).
 
     Yields batches of up to ``batch_size`` rows until ``max_tokens`` target tokens are covered
     (``max_tokens // seq_len`` windows, fewer if the split is shorter): a fixed budget of
@@ -60,6 +72,6 @@ def iter_eval_windows(
     _check_length(tokens, seq_len, "evaluation")
     if max_tokens < seq_len or batch_size < 1:
         raise ValueError(f"need max_tokens >= seq_len, batch_size >= 1: {max_tokens=} {seq_len=}")
-    n_windows = min((len(tokens) - 1) // seq_len, max_tokens // seq_len)
-    for b in range(0, n_windows, batch_size):
-        yield _windows(tokens, np.arange(b, min(b + batch_size, n_windows)) * seq_len, seq_len)
+    starts = eval_starts(len(tokens), seq_len, max_tokens)
+    for b in range(0, len(starts), batch_size):
+        yield _windows(tokens, starts[b : b + batch_size], seq_len)
