@@ -23,6 +23,23 @@ from lssar.ops.reference import attention_weights
 from lssar.ops.registry import attention, get_variant
 from lssar.spec import AttentionSpec, check_attention
 
+
+def sliding_window_mask(
+    n: int, window: int, device: torch.device | None = None, sink: bool = False
+) -> Tensor:
+    """Boolean ``(n, n)`` mask, True = may attend: query ``i`` sees keys ``i - window < j <= i``
+    (causal, ``window`` keys including itself). With ``sink`` the first token stays visible too
+    (StreamingLLM's attention sink), for models whose every training row began with BOS."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    m = (j <= i) & (i - j < window)
+    if sink:
+        m[:, 0] = True
+    return m
+
+
 SSMAX_S_INIT = 0.43  # Scalable-Softmax's per-head s at init (project choice)
 
 

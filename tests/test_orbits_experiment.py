@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from lssar.cli import main
+from lssar.model import sliding_window_mask
 from lssar.orbits import experiment as ex
 from lssar.orbits import symreg
-from lssar.orbits.models import OrbitGPT, OrbitModelConfig, sliding_window_mask
+from lssar.orbits.models import OrbitGPT, OrbitModelConfig
 
 # Tiny sizes: the whole pipeline (data, pretraining, probes, SR, report) in seconds.
 MICRO = {

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from lssar.model import GPT, GPTConfig
+from lssar.model import GPT, GPTConfig, sliding_window_mask
 
 FORMATS = ("continuous", "discrete")
 
@@ -35,16 +35,6 @@ FORMATS = ("continuous", "discrete")
 def star_index(t: np.ndarray | Tensor | int) -> Any:
     """Sequence index of step ``t``'s star token (dt token at 0, then planet, star per step)."""
     return 2 + 2 * t
-
-
-def sliding_window_mask(n: int, window: int, device: torch.device | None = None) -> Tensor:
-    """Boolean ``(n, n)`` mask, True = may attend: query ``i`` sees keys ``i - window < j <= i``
-    (causal, ``window`` keys including itself)."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    return (j <= i) & (i - j < window)
 
 
 @dataclass

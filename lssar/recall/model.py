@@ -19,20 +19,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lssar.model import GPT, GPTConfig
+from lssar.model import GPT, GPTConfig, sliding_window_mask
 
 
-def window_mask(length: int, window: int, sink: bool = True) -> Tensor:
-    """``(T, T)`` bool, True where key j is at most ``window - 1`` tokens before query i.
-
-    With ``sink`` the first token (BOS) stays visible too (project choice, as StreamingLLM's
-    attention sink): every training row saw BOS, and hiding it breaks the model at every
-    distance, which would make the control fail for a reason unrelated to locality."""
-    i = torch.arange(length)
-    m = (i[:, None] - i[None, :]) < window
-    if sink:
-        m[:, 0] = True
-    return m
+def window_mask(length: int, window: int) -> Tensor:
+    """``(T, T)`` bool, True where key j is at most ``window - 1`` tokens before query i, and
+    the first token (BOS). The sink is a project choice (StreamingLLM's attention sink): every
+    training row saw BOS, and hiding it breaks the model at every distance, which would make the
+    control fail for a reason unrelated to locality."""
+    return sliding_window_mask(length, window, sink=True)
 
 
 class RecallModel(nn.Module):
