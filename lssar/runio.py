@@ -57,8 +57,26 @@ def _git(*args: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def project_relative(arg: str) -> str:
+    """``arg`` (or the value of ``--flag=arg``) relative to the project when it is an absolute
+    path inside it, so that records do not depend on where the project was cloned."""
+    flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+    if not eq:
+        flag, value = "", arg
+    path = Path(value)
+    if path.is_absolute():
+        for p in (path, path.resolve()):
+            with contextlib.suppress(ValueError):
+                return flag + eq + str(p.relative_to(PROJECT_ROOT))
+    return arg
+
+
 def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, Any]:
-    """Code version (git SHA, dirty flag), library versions, hardware and command line."""
+    """Code version (git SHA, dirty flag), library versions, hardware and command line (paths
+    inside the project relative to it)."""
     device = torch.device(device)
     status = _git("status", "--porcelain")
     return {
@@ -74,7 +92,7 @@ def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, A
         if device.type == "cuda"
         else platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
-        "argv": sys.argv,
+        "argv": [project_relative(a) for a in sys.argv],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **extra,
     }
