@@ -9,6 +9,9 @@ A verdict compares two arms by their intervals, never by point estimates:
   ``"supported"``;
 - ``"supported"``: the two 95% intervals do not overlap (``better`` says which side is higher);
 - ``"within noise"``: they overlap.
+
+For losses, :func:`paired_ci` gives the interval of a difference paired by seed and
+:func:`judge` reads a claim "the value lies in (lo, hi)" from an interval.
 """
 
 from __future__ import annotations
@@ -107,3 +110,28 @@ def verdict(
         None,
         f"{names[0]} {ia.fmt()}% vs {names[1]} {ib.fmt()}% (95% intervals overlap)",
     )
+
+
+def paired_ci(a: Sequence[float], b: Sequence[float]) -> Interval:
+    """The t-based 95% interval of ``a - b`` paired by seed (``a[i]`` and ``b[i]`` share seed
+    ``i``: the same data order and initialisation), tighter than two separate intervals when
+    seeds move both arms together."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need the same seeds on both sides: {len(a)} vs {len(b)}")
+    return mean_ci([x - y for x, y in zip(a, b)])
+
+
+def judge(iv: Interval, lo: float = -math.inf, hi: float = math.inf) -> str:
+    """Whether the claim "the value lies in ``(lo, hi)``" holds, from its 95% interval ``iv``:
+    ``"supported"`` when the whole interval lies strictly inside, ``"contradicted"`` when it lies
+    wholly outside, ``"within noise"`` when it touches or straddles a bound, ``"no interval"``
+    with one seed. ``judge(diff, hi=0)`` reads "a - b < 0": a is lower, beyond noise."""
+    if lo > hi:
+        raise ValueError(f"empty claim range ({lo}, {hi})")
+    if iv.lo is None:
+        return "no interval"
+    if lo < iv.lo and iv.hi < hi:
+        return "supported"
+    if iv.hi < lo or iv.lo > hi:
+        return "contradicted"
+    return "within noise"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lssar.stats import mean_ci, t95, verdict
+from lssar.stats import judge, mean_ci, paired_ci, t95, verdict
 
 
 def test_t95_table():
@@ -54,3 +54,40 @@ def test_verdict_inconclusive_below_floor_at_1x():
 def test_verdict_one_seed_never_supported():
     v = verdict([1.0], [0.0])
     assert v.label == "no interval" and v.better is None
+
+
+def test_paired_ci_removes_the_shared_seed_effect():
+    # seeds move both arms together: separate intervals overlap, the paired one excludes 0
+    a, b = [2.0, 2.5, 3.0], [2.1, 2.6, 3.1]
+    assert mean_ci(a).lo < mean_ci(b).hi  # unpaired: overlapping
+    d = paired_ci(a, b)
+    assert d.mean == pytest.approx(-0.1) and d.half == pytest.approx(0.0, abs=1e-12)
+    # by hand: differences -1, 0, -2 -> mean -1, sd 1
+    d = paired_ci([1.0, 2.0, 0.0], [2.0, 2.0, 2.0])
+    assert d.mean == -1.0 and d.half == pytest.approx(4.303 / math.sqrt(3))
+    with pytest.raises(ValueError, match="same seeds"):
+        paired_ci([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize(
+    "values, bounds, want",
+    [
+        ([-0.30, -0.31, -0.29], {"hi": 0.0}, "supported"),  # clearly below 0
+        ([0.30, 0.31, 0.29], {"hi": 0.0}, "contradicted"),  # clearly above 0
+        ([-0.3, 0.1, -0.1], {"hi": 0.0}, "within noise"),  # straddles 0
+        ([0.0, 0.0, 0.0], {"hi": 0.0}, "within noise"),  # touching the bound is not beyond it
+        ([1.05, 1.06, 1.04], {"hi": 1.10}, "supported"),
+        ([1.19, 1.2, 1.21], {"hi": 1.10}, "contradicted"),
+        ([1.6, 1.61, 1.59], {"lo": 1.5}, "supported"),
+        ([0.001, -0.002, 0.0], {"lo": -0.02, "hi": 0.02}, "supported"),
+        ([0.05, 0.06, 0.04], {"lo": -0.02, "hi": 0.02}, "contradicted"),
+        ([-0.5], {"hi": 0.0}, "no interval"),  # one seed: never a verdict
+    ],
+)
+def test_judge_reads_claims_from_intervals(values, bounds, want):
+    assert judge(mean_ci(values), **bounds) == want
+
+
+def test_judge_rejects_an_empty_range():
+    with pytest.raises(ValueError, match="empty claim range"):
+        judge(mean_ci([1.0, 2.0]), lo=1.0, hi=0.0)
