@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,13 +27,41 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lssar.data import get_tokenizer, iter_eval_windows, load_split
-from lssar.model import GPT
-from lssar.runio import atomic_write
-from lssar.spec import AttentionSpec, run_label
+from lssar.figures import label_of, plot_results
+from lssar.model import GPT, sliding_window_mask
+from lssar.runio import atomic_write, environment
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 TOKENS_PER_BATCH = 8192  # rows per forward = this // length (memory stays flat across lengths)
 N_POSITION_BUCKETS = 32
+# what an evaluation's numbers depend on besides the run: a change here recomputes cached results
+_EVAL_SOURCES = ("evaluate.py", "model.py", "spec.py", "data/batches.py", "ops")
+
+
+@functools.cache
+def eval_code_version() -> str:
+    """A digest of the evaluation code (:data:`_EVAL_SOURCES`), stored with every evaluation; a
+    cached evaluation made by other code is recomputed."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in _EVAL_SOURCES:
+        path = root / name
+        files = (
+            sorted(f for f in path.rglob("*") if f.suffix in (".py", ".cpp"))
+            if path.is_dir()
+            else [path]
+        )
+        for f in files:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def window_of(window: int | None) -> Callable[[int], torch.Tensor | None]:
+    """``length -> attn_mask``: None (full causal attention) or a sliding window of ``window``
+    keys (:func:`lssar.model.sliding_window_mask`), the control for "flat loss"."""
+    if window is None:
+        return lambda t: None
+    return lambda t: sliding_window_mask(t, window)
 
 
 def parse_multiples(text: str | list[int] | tuple[int, ...]) -> list[int]:
@@ -62,12 +92,16 @@ def loss_vs_length(
     multiples: list[int],
     eval_tokens: int,
     progress: bool = True,
+    window: int | None = None,
 ) -> dict[str, Any]:
-    """Mean next-token loss at each length ``m * train_len`` over the same ``eval_tokens`` budget.
+    """Mean next-token loss at each length ``m * train_len`` over the same ``eval_tokens`` budget,
+    from windows spread evenly over the split (:func:`lssar.data.eval_starts`); ``window`` limits
+    attention to that many keys.
 
     Also the loss by position inside the longest window (``N_POSITION_BUCKETS`` buckets), which
     shows where a model starts to fail.
     """
+    mask_for = window_of(window)
     longest = max(multiples) * train_len
     budget = (eval_tokens // longest) * longest  # a whole number of windows at every length
     if budget == 0:
@@ -86,8 +120,9 @@ def loss_vs_length(
         t = m * train_len
         total, count = 0.0, 0
         pos_sum = torch.zeros(t, dtype=torch.float64)
+        mask = mask_for(t)
         for x, y in iter_eval_windows(val, t, budget, batch_size=max(1, TOKENS_PER_BATCH // t)):
-            _, loss = model(x, y, reduction="none")  # (B, T)
+            _, loss = model(x, y, reduction="none", attn_mask=mask)  # (B, T)
             total += loss.double().sum().item()
             count += loss.numel()
             pos_sum += loss.double().sum(0)
@@ -101,41 +136,61 @@ def loss_vs_length(
     return {
         "train_len": train_len,
         "tokens_per_length": budget,
+        "windows_per_length": {str(m * train_len): budget // (m * train_len) for m in multiples},
         "loss": {str(k): v for k, v in losses.items()},
         "loss_by_position": per_position,
     }
 
 
 @torch.inference_mode()
-def attention_diagnostics(model: GPT, val: np.ndarray, lengths: list[int]) -> dict[str, Any]:
-    """Per length and layer: mean row entropy (nats) and mean attention mass on the first token.
+def attention_diagnostics(
+    model: GPT, val: np.ndarray, lengths: list[int], n_windows: int = 8, window: int | None = None
+) -> dict[str, Any]:
+    """Per length and layer: mean row entropy (nats) and mean attention mass on the first token,
+    averaged over ``n_windows`` windows spread over the split, beside what uniform attention over
+    the same visible keys gives (``uniform_entropy`` = mean ln N_i, ``uniform_sink`` = mean 1/N_i):
+    a sink has formed only where the first-token mass is above the uniform one.
 
-    Uses one window of each length from the start of the validation split and the materialised
-    weights (the reference path), so keep the lengths moderate.
+    Uses the materialised weights (the reference path), one window per forward, so keep the
+    lengths moderate.
     """
+    mask_for = window_of(window)
     out: dict[str, Any] = {}
     for t in lengths:
-        x, _ = next(iter_eval_windows(val, t, t))
-        weights: list[torch.Tensor] = []
-        model(x, weights=weights)
-        ent, sink = [], []
-        for w in weights:  # (1, H, T, T)
-            ent.append(float(-(w * torch.log(w.clamp_min(1e-30))).sum(-1).mean()))
-            sink.append(float(w[..., 0].mean()))
-        out[str(t)] = {"entropy": ent, "sink": sink}
+        mask = mask_for(t)
+        visible = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask
+        n_i = visible.sum(-1).double()  # (T,) keys each row sees
+        ent, sink, count = np.zeros(model.cfg.n_layer), np.zeros(model.cfg.n_layer), 0
+        for x, _ in iter_eval_windows(val, t, n_windows * t):
+            weights: list[torch.Tensor] = []
+            model(x, weights=weights, attn_mask=mask)
+            for i, w in enumerate(weights):  # (1, H, T, T)
+                ent[i] += float(-(w * torch.log(w.clamp_min(1e-30))).sum(-1).mean())
+                sink[i] += float(w[..., 0].mean())
+            count += 1
+        out[str(t)] = {
+            "entropy": (ent / count).tolist(),
+            "sink": (sink / count).tolist(),
+            "windows": count,
+            "uniform_entropy": float(n_i.log().mean()),
+            "uniform_sink": float((visible[:, 0] / n_i).mean()),
+        }
     return out
 
 
-def numerical_health(model: GPT, val: np.ndarray, length: int) -> dict[str, Any]:
+def numerical_health(
+    model: GPT, val: np.ndarray, length: int, window: int | None = None
+) -> dict[str, Any]:
     """bf16/fp16 autocast at ``length`` vs a float64 run: non-finite logits and loss error."""
     x, y = next(iter_eval_windows(val, length, length))
+    mask = window_of(window)(length)
     model64 = copy.deepcopy(model).double()
     with torch.inference_mode():
-        _, ref = model64(x, y)
+        _, ref = model64(x, y, attn_mask=mask)
         result: dict[str, Any] = {"length": length, "loss_fp64": float(ref)}
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             with torch.autocast("cpu" if x.device.type == "cpu" else "cuda", dtype=dtype):
-                logits, loss = model(x, y)
+                logits, loss = model(x, y, attn_mask=mask)
             result[name] = {
                 "nonfinite_logits": int((~torch.isfinite(logits)).sum()),
                 "loss": float(loss),
@@ -197,10 +252,10 @@ def passkey_sample(
     return context + ans, len(context)
 
 
-def _passkey_batch(tok, filler, length, n, rng, depth=None):
+def _passkey_batch(tok, filler, length, n, rng, depth=None, digits=5):
     seqs, starts = [], []
     for _ in range(n):
-        key = str(int(rng.integers(10000, 100000)))
+        key = str(int(rng.integers(10 ** (digits - 1), 10**digits)))
         d = float(rng.uniform(0, 1)) if depth is None else depth
         ids, a = passkey_sample(tok, filler, length, d, key, rng)
         seqs.append(ids)
@@ -209,26 +264,38 @@ def _passkey_batch(tok, filler, length, n, rng, depth=None):
     return x, starts
 
 
+PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+
+
 def passkey_finetune(
     model: GPT,
     tok,
     filler: np.ndarray,
     length: int,
-    steps: int,
+    max_steps: int,
+    target: float = 0.9,
+    check_every: int = 100,
+    check_trials: int = 16,
     batch_size: int = 16,
     lr: float = 1e-3,
+    digits: int = 5,
     seed: int = 0,
     progress: bool = True,
-) -> GPT:
-    """Briefly fine-tune a copy of ``model`` on passkey probes at the training length.
+) -> tuple[GPT, dict[str, Any]]:
+    """Fine-tune a copy of ``model`` on passkey probes at ``length`` until it retrieves the key.
 
-    The loss is on the answer tokens only; keys and depths are random.
+    The loss is on the answer tokens only; keys (``digits`` digits) and depths are random. Every
+    ``check_every`` steps, greedy accuracy on fresh probes from ``filler`` (the training text,
+    never the test text) at ``PASSKEY_DEPTHS``; it stops at ``target`` or after ``max_steps``.
+    Returns the tuned model and ``{"steps", "check_accuracy", "reached"}``.
     """
     model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = np.random.default_rng(seed)
-    for _ in tqdm(range(steps), desc="passkey fine-tune", disable=not progress, leave=False):
-        x, starts = _passkey_batch(tok, filler, length, batch_size, rng)
+    acc, step = 0.0, 0
+    bar = tqdm(total=max_steps, desc="passkey fine-tune", disable=not progress, leave=False)
+    while step < max_steps:
+        x, starts = _passkey_batch(tok, filler, length, batch_size, rng, digits=digits)
         logits, _ = model(x[:, :-1])
         mask = torch.zeros_like(x[:, 1:], dtype=torch.bool)
         for i, a in enumerate(starts):
@@ -238,7 +305,21 @@ def passkey_finetune(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    return model.eval()
+        step += 1
+        bar.update()
+        if step % check_every == 0 or step == max_steps:
+            model.eval()
+            grid = passkey_accuracy(
+                model, tok, filler, [length], list(PASSKEY_DEPTHS), check_trials, seed + step,
+                digits=digits,
+            )  # fmt: skip
+            acc = float(np.mean(list(grid[str(length)].values())))
+            model.train()
+            bar.set_postfix(acc=f"{acc:.0%}")
+            if acc >= target:
+                break
+    bar.close()
+    return model.eval(), {"steps": step, "check_accuracy": acc, "reached": acc >= target}
 
 
 @torch.inference_mode()
@@ -250,17 +331,21 @@ def passkey_accuracy(
     depths: list[float],
     trials: int,
     seed: int = 1,
+    digits: int = 5,
+    window: int | None = None,
 ) -> dict[str, Any]:
-    """Greedy exact-match accuracy of the key, per length and depth."""
+    """Greedy exact-match accuracy of the key, per length and depth (``trials`` probes each)."""
     rng = np.random.default_rng(seed)
+    mask_for = window_of(window)
     acc: dict[str, dict[str, float]] = {}
     for t in lengths:
         acc[str(t)] = {}
+        mask = mask_for(t - 1)
         for d in depths:
-            x, starts = _passkey_batch(tok, filler, t, trials, rng, depth=d)
+            x, starts = _passkey_batch(tok, filler, t, trials, rng, depth=d, digits=digits)
             hits = 0
             for i in range(trials):  # one probe per forward keeps memory flat at long lengths
-                logits, _ = model(x[i : i + 1, :-1])
+                logits, _ = model(x[i : i + 1, :-1], attn_mask=mask)
                 pred = logits[0, starts[i] - 1 :].argmax(-1)
                 hits += bool(torch.equal(pred, x[i, starts[i] :]))
             acc[str(t)][f"{d:g}"] = hits / trials
@@ -268,6 +353,21 @@ def passkey_accuracy(
 
 
 # ------------------------------------------------------------------------------ run-level
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeySettings:
+    """How passkey is trained and scored: fine-tuning at the training length until ``target``
+    accuracy (at most ``max_steps``), then ``trials`` probes per (length, depth); keys of
+    ``digits`` digits."""
+
+    max_steps: int = 300
+    target: float = 0.9
+    check_every: int = 100
+    lr: float = 1e-3
+    batch_size: int = 16
+    digits: int = 5
+    trials: int = 10
 
 
 def evaluate_run(
@@ -278,22 +378,27 @@ def evaluate_run(
     eval_tokens: int = 65536,
     diagnostics: bool = True,
     health: bool = True,
-    passkey: bool = False,
-    passkey_steps: int = 300,
-    passkey_trials: int = 10,
+    passkey: PasskeySettings | None = None,
+    window: int | None = None,
+    diagnostic_windows: int = 8,
     tag: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Evaluate a run; writes ``RUN/eval/<tag>/results.json`` (+ .md, plots) and returns it.
 
-    ``attn`` / ``attn_p`` switch the trained attention by :meth:`AttentionSpec.override`; the
-    default ``tag`` is the evaluated rule's slug (``lssar_p15``). Re-running with the same
-    arguments reuses the saved result.
+    ``attn`` / ``attn_p`` switch the trained attention by :meth:`AttentionSpec.override`;
+    ``window`` limits every query to its last ``window`` keys (the sliding-window control). The
+    default ``tag`` is the evaluated rule's slug (``lssar_p15``, ``softmax_window128``).
+    Re-running with the same arguments reuses the saved result unless the run's step or the
+    evaluation code (:func:`eval_code_version`) changed. Every result records the run's
+    environment (``env``: the training commit) and its own (``eval_env``).
     """
     from lssar.runs import load_run
 
     run_dir = Path(run_dir)
     multiples = parse_multiples(multiples or list(DEFAULT_MULTIPLES))
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of keys, got {window}")
     model, cfg, meta = load_run(run_dir)
     trained = cfg.attention.label
     try:
@@ -302,21 +407,25 @@ def evaluate_run(
         what = f"{attn or cfg.attn!r}" + ("" if attn_p is None else f" p={attn_p:g}")
         raise ValueError(f"cannot evaluate this run with attention {what}: {e}") from None
     evaluated = model.attn_spec.label
-    tag = tag or model.attn_spec.slug("_")
+    tag = tag or model.attn_spec.slug("_") + ("" if window is None else f"_window{window}")
     out_dir = run_dir / "eval" / tag
     settings = {
         "multiples": multiples,
         "eval_tokens": eval_tokens,
         "diagnostics": diagnostics,
+        "diagnostic_windows": diagnostic_windows,
         "health": health,
-        "passkey": passkey,
-        "passkey_steps": passkey_steps,
-        "passkey_trials": passkey_trials,
+        "passkey": None if passkey is None else dataclasses.asdict(passkey),
+        "window": window,
     }
     cached = out_dir / "results.json"
     if cached.exists():
         prev = json.loads(cached.read_text())
-        if prev.get("settings") == settings and prev.get("step") == meta.get("step"):
+        if (
+            prev.get("settings") == settings
+            and prev.get("step") == meta.get("step")
+            and prev.get("eval_version") == eval_code_version()
+        ):
             return prev
     val = load_split(meta["data_dir"], "val")
     train_len = cfg.seq_len
@@ -325,25 +434,52 @@ def evaluate_run(
         "run": str(run_dir),
         "trained_attention": trained,
         "evaluated_attention": evaluated,
+        "window": window,
+        "tag": tag,
         "step": meta.get("step"),
         "config": dataclasses.asdict(cfg),
         "settings": settings,
+        "eval_version": eval_code_version(),
         "env": _read_json(run_dir / "env.json"),
+        "eval_env": environment(),
     }
-    result.update(loss_vs_length(model, val, train_len, multiples, eval_tokens, progress))
+    result.update(loss_vs_length(model, val, train_len, multiples, eval_tokens, progress, window))
     if diagnostics:
-        result["diagnostics"] = attention_diagnostics(model, val, lengths)
+        result["diagnostics"] = attention_diagnostics(
+            model, val, lengths, diagnostic_windows, window
+        )
     if health:
-        result["numerical_health"] = numerical_health(model, val, lengths[-1])
-    if passkey:
+        result["numerical_health"] = numerical_health(model, val, lengths[-1], window)
+    if passkey is not None:
         tok = get_tokenizer(cfg.tokenizer, corpus_dir=meta["data_dir"])
         train_tokens = load_split(meta["data_dir"], "train")
-        tuned = passkey_finetune(
-            model, tok, train_tokens, train_len, passkey_steps, seed=cfg.seed, progress=progress
+        tuned, fit = passkey_finetune(
+            model,
+            tok,
+            train_tokens,
+            train_len,
+            passkey.max_steps,
+            target=passkey.target,
+            check_every=passkey.check_every,
+            batch_size=passkey.batch_size,
+            lr=passkey.lr,
+            digits=passkey.digits,
+            seed=cfg.seed,
+            progress=progress,
         )
-        result["passkey"] = passkey_accuracy(
-            tuned, tok, val, lengths, [0.1, 0.5, 0.9], passkey_trials
-        )
+        result["passkey"] = {
+            **fit,
+            "accuracy": passkey_accuracy(
+                tuned,
+                tok,
+                val,
+                lengths,
+                list(PASSKEY_DEPTHS),
+                passkey.trials,
+                digits=passkey.digits,
+                window=window,
+            ),  # fmt: skip
+        }
     atomic_write(out_dir / "results.md", results_markdown(result))
     plot_results([result], out_dir)
     atomic_write(cached, json.dumps(result, indent=1))
@@ -354,19 +490,28 @@ def results_markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# Evaluation of {r['run']}",
         "",
-        f"Trained with **{r['trained_attention']}**, evaluated with "
-        f"**{r['evaluated_attention']}** at step {r['step']}; "
-        f"{r['tokens_per_length']} validation tokens per length.",
+        f"Trained with **{r['trained_attention']}**, evaluated as **{label_of(r)}** at step "
+        f"{r['step']}; {r['tokens_per_length']} validation tokens per length, in windows spread "
+        "over the whole split.",
         "",
-        "| length | x train | val loss |",
-        "|---|---|---|",
+        "| length | x train | windows | val loss |",
+        "|---|---|---|---|",
     ]
     for t, loss in r["loss"].items():
-        lines.append(f"| {t} | {int(t) // r['train_len']} | {loss:.4f} |")
+        n = r["windows_per_length"][t]
+        lines.append(f"| {t} | {int(t) // r['train_len']} | {n} | {loss:.4f} |")
     if "diagnostics" in r:
-        lines += ["", "| length | mean entropy (nats) | mean first-token mass |", "|---|---|---|"]
+        lines += [
+            "",
+            "| length | windows | mean entropy (nats) | uniform ln N | first-token mass | "
+            "uniform 1/N |",
+            "|---|---|---|---|---|---|",
+        ]
         for t, d in r["diagnostics"].items():
-            lines.append(f"| {t} | {np.mean(d['entropy']):.3f} | {np.mean(d['sink']):.3f} |")
+            lines.append(
+                f"| {t} | {d['windows']} | {np.mean(d['entropy']):.3f} | "
+                f"{d['uniform_entropy']:.3f} | {np.mean(d['sink']):.4f} | {d['uniform_sink']:.4f} |"
+            )
     if "numerical_health" in r:
         h = r["numerical_health"]
         lines += [
@@ -379,92 +524,20 @@ def results_markdown(r: dict[str, Any]) -> str:
             for k in ("bf16", "fp16")
         ]
     if "passkey" in r:
-        depths = list(next(iter(r["passkey"].values())))
+        pk = r["passkey"]
+        depths = list(next(iter(pk["accuracy"].values())))
         lines += [
+            "",
+            f"Passkey: fine-tuned {pk['steps']} steps at the training length; accuracy on "
+            f"training-text probes {pk['check_accuracy']:.0%} "
+            f"({'reached' if pk['reached'] else 'did not reach'} the target).",
             "",
             "| length | " + " | ".join(f"depth {d}" for d in depths) + " |",
             "|---" * (len(depths) + 1) + "|",
         ]
-        for t, row in r["passkey"].items():
+        for t, row in pk["accuracy"].items():
             lines.append(f"| {t} | " + " | ".join(f"{row[d]:.0%}" for d in depths) + " |")
     return "\n".join(lines) + "\n"
-
-
-def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Loss vs length, loss by position, entropy/sink vs length, passkey heat-maps (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-
-    def save(fig, name):
-        path = out_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        xs = [int(t) / r["train_len"] for t in r["loss"]]
-        ax.plot(xs, list(r["loss"].values()), marker="o", label=label_of(r))
-    ax.set(
-        xscale="log",
-        xlabel="evaluation length / training length",
-        ylabel="validation loss",
-        title="Loss vs length",
-    )
-    ax.set_xticks(xs, [f"{x:g}x" for x in xs])
-    ax.legend(fontsize=8)
-    save(fig, "loss_vs_length.png")
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        pp = r["loss_by_position"]
-        longest = max(int(t) for t in r["loss"])
-        ax.plot(
-            np.linspace(0, longest, len(pp), endpoint=False) / r["train_len"], pp, label=label_of(r)
-        )
-    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="position / training length", ylabel="loss", title="Loss by position")
-    ax.legend(fontsize=8)
-    save(fig, "loss_by_position.png")
-
-    if all("diagnostics" in r for r in results):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for r in results:
-            ts = [int(t) / r["train_len"] for t in r["diagnostics"]]
-            d = r["diagnostics"].values()
-            axes[0].plot(ts, [np.mean(x["entropy"]) for x in d], marker="o", label=label_of(r))
-            axes[1].plot(ts, [np.mean(x["sink"]) for x in d], marker="o", label=label_of(r))
-        axes[0].set(xscale="log", xlabel="length / training length", ylabel="mean row entropy")
-        axes[1].set(
-            xscale="log", xlabel="length / training length", ylabel="attention mass on token 0"
-        )
-        axes[0].legend(fontsize=8)
-        save(fig, "entropy_sink_vs_length.png")
-
-    with_pk = [r for r in results if "passkey" in r]
-    if with_pk:
-        fig, axes = plt.subplots(1, len(with_pk), figsize=(3.2 * len(with_pk), 3), squeeze=False)
-        for ax, r in zip(axes[0], with_pk):
-            rows = list(r["passkey"])
-            depths = list(r["passkey"][rows[0]])
-            grid = np.array([[r["passkey"][t][d] for d in depths] for t in rows])
-            ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            ax.set_xticks(range(len(depths)), depths)
-            ax.set_yticks(range(len(rows)), [f"{int(t) // r['train_len']}x" for t in rows])
-            ax.set(title=label_of(r), xlabel="depth")
-        save(fig, "passkey.png")
-    return paths
-
-
-def label_of(r: dict[str, Any]) -> str:
-    """The result's attention label (:func:`lssar.spec.run_label`)."""
-    return run_label(r["trained_attention"], r["evaluated_attention"])
 
 
 def cli(argv: list[str]) -> int:
@@ -477,15 +550,30 @@ def cli(argv: list[str]) -> int:
     )
     ap.add_argument("--attn", help="evaluate with this attention instead of the trained one")
     ap.add_argument("--attn-p", type=float, help="re-weighting power for the evaluation")
+    ap.add_argument(
+        "--window", type=int, help="sliding window: every query sees only its last WINDOW keys"
+    )
     ap.add_argument("--tokens", type=int, default=65536, help="validation tokens per length")
     ap.add_argument("--passkey", action="store_true", help="also fine-tune and test passkey")
-    ap.add_argument("--passkey-steps", type=int, default=300)
+    dflt = PasskeySettings()
+    ap.add_argument(
+        "--passkey-steps", type=int, default=dflt.max_steps,
+        help="most fine-tuning steps (it stops once it reaches --passkey-target)",
+    )  # fmt: skip
+    ap.add_argument("--passkey-target", type=float, default=dflt.target)
+    ap.add_argument("--passkey-digits", type=int, default=dflt.digits)
     ap.add_argument("--no-diagnostics", action="store_true")
     ap.add_argument("--tag", help="name of the output folder under RUN/eval/")
     args = ap.parse_args(argv)
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run directory {run} does not exist; train one with lssar train")
+    pk = dataclasses.replace(
+        dflt,
+        max_steps=args.passkey_steps,
+        target=args.passkey_target,
+        digits=args.passkey_digits,
+    )
     r = evaluate_run(
         run,
         parse_multiples(args.lengths),
@@ -494,12 +582,10 @@ def cli(argv: list[str]) -> int:
         args.tokens,
         diagnostics=not args.no_diagnostics,
         health=not args.no_diagnostics,
-        passkey=args.passkey,
-        passkey_steps=args.passkey_steps,
+        passkey=pk if args.passkey else None,
+        window=args.window,
         tag=args.tag,
     )
     print(results_markdown(r))
-    spec = AttentionSpec.from_config(r["config"]).override(args.attn, p=args.attn_p)
-    tag = args.tag or spec.slug("_")
-    print(f"saved to {run / 'eval' / tag}")
+    print(f"saved to {Path(r['run']) / 'eval' / r['tag']}")
     return 0

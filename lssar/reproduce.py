@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from lssar.evaluate import evaluate_run, plot_results
-from lssar.runio import atomic_write
-from lssar.spec import AttentionSpec, run_label
+from lssar.evaluate import PasskeySettings, evaluate_run
+from lssar.figures import group, plot_results
+from lssar.runio import atomic_write, environment
+from lssar.spec import AttentionSpec
+from lssar.stats import Interval, judge, mean_ci, paired_ci, verdict
 
 SOFTMAX, LSSA = AttentionSpec("softmax"), AttentionSpec("lssa")
 LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p": 15.0})
@@ -60,40 +62,45 @@ class Preset:
     train_preset: str
     arms: list[AttentionSpec]
     eval_reweight: list[float] = field(default_factory=list)  # p's applied to lssa at eval only
+    window: bool = True  # the sliding-window control: softmax's runs, window = training length
     seeds: list[int] = field(default_factory=lambda: [0])
     multiples: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     eval_tokens: int = 32768
-    passkey: bool = False
-    passkey_trials: int = 10  # probes per (length, depth)
+    passkey: PasskeySettings | None = None
+    passkey_arms: list[AttentionSpec] | None = None  # None: every trained arm
     budget: str = ""
 
 
+PASSKEY_CPU = PasskeySettings(max_steps=1500, check_every=250, lr=3e-3, digits=2, trials=10)
+
 PRESETS = {
     "quick": Preset(
-        "softmax, lssa, lssar p=15 and lssa with eval-time re-weighting; loss to 16x; sink/entropy",
+        "softmax, lssa (+ eval-time re-weighting p = 1, 3, 8, 15), lssar p=15 and the "
+        "sliding-window control; loss to 16x; entropy and first-token mass; 1 seed",
         "tiny-cpu",
         [SOFTMAX, LSSA, LSSAR15],
-        eval_reweight=[15.0],
+        eval_reweight=[1.0, 3.0, 8.0, 15.0],
         eval_tokens=16384,
         budget="<= 15 min on 2 CPU cores",
     ),
     "cpu": Preset(
-        "every variant of the paper, 2 seeds, passkey and numerical health",
+        "every variant of the paper, the sliding-window control and eval-time re-weighting "
+        "p = 1, 3, 8, 15, 3 seeds, passkey and numerical health",
         "tiny-cpu",
         ALL_ARMS,
-        eval_reweight=[15.0],
-        seeds=[0, 1],
-        eval_tokens=16384,
-        passkey=True,
-        passkey_trials=6,
-        budget="~1 h on 2 CPU cores",
+        eval_reweight=[1.0, 3.0, 8.0, 15.0],
+        seeds=[0, 1, 2],
+        eval_tokens=32768,
+        passkey=PASSKEY_CPU,
+        passkey_arms=[SOFTMAX, LSSA, LSSAR15, AttentionSpec("softmax-qknorm-logn")],
+        budget="~90 min on 2 CPU cores",
     ),
     "paper": Preset(
         "GPT-2 124M on FineWeb 10B tokens at T=1024 (the paper's setting): a GPU cluster job",
         "gpt2-124m-fineweb",
         ALL_ARMS,
-        eval_reweight=[3.0, 7.0, 15.0],
-        passkey=True,
+        eval_reweight=[1.0, 3.0, 8.0, 15.0],
+        passkey=PasskeySettings(),
         eval_tokens=1 << 21,
         budget="per arm ~3-4 h on 8xH100 (softmax; LSSAR kernels ~1.5x slower): ~1.5 days for "
         "all 9 arms",
@@ -138,6 +145,7 @@ def reproduce(
     runs_dir = Path(runs_dir or f"runs/reproduce-{preset.train_preset}")
     started = time.time()
     results: list[dict[str, Any]] = []
+    pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
     for seed in preset.seeds:
         for arm in preset.arms:
             cfg = load_config(
@@ -154,15 +162,12 @@ def reproduce(
             run = train(cfg, resume=True, progress=progress)
             if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
                 continue
-            kw = dict(
-                multiples=preset.multiples,
-                eval_tokens=preset.eval_tokens,
-                passkey=preset.passkey,
-                passkey_trials=preset.passkey_trials,
-                progress=progress,
-            )
-            results.append(evaluate_run(run, **kw))
-            if arm.name == "lssa":
+            kw = dict(multiples=preset.multiples, eval_tokens=preset.eval_tokens, progress=progress)
+            passkey = preset.passkey if arm in pk_arms else None
+            results.append(evaluate_run(run, passkey=passkey, **kw))
+            if arm == SOFTMAX and preset.window:  # window = training length: trains as softmax
+                results.append(evaluate_run(run, window=cfg.seq_len, passkey=passkey, **kw))
+            if arm == LSSA:
                 for q in preset.eval_reweight:  # the paper's fine-tuning-free mode
                     results.append(evaluate_run(run, attn="lssar", attn_p=q, **kw))
     if int(os.environ.get("RANK", "0")) != 0:
@@ -176,110 +181,324 @@ def reproduce(
 # ---------------------------------------------------------------------------------- report
 
 
-def _group(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        label = run_label(r["trained_attention"], r["evaluated_attention"])
-        groups.setdefault(label, []).append(r)
-    return groups
+Seeds = dict[int, float]  # seed -> value
+WINDOW = "softmax, sliding window"  # label prefix of the window control (label_of adds the size)
+QKNORM = AttentionSpec("softmax-qknorm-logn")
+SOFTPLUS_L1 = AttentionSpec("softplus-l1")
 
 
-def _loss_table(groups, multiples) -> tuple[list[str], dict[str, dict[int, tuple[float, float]]]]:
-    stats: dict[str, dict[int, tuple[float, float]]] = {}
-    rows = [
-        "| attention | " + " | ".join(f"{m}x" for m in multiples) + " | 16x / 1x |",
-        "|---" * (len(multiples) + 2) + "|",
-    ]
-    for label, rs in groups.items():
-        stats[label] = {}
-        cells = []
-        for m in multiples:
-            vals = [r["loss"][str(m * r["train_len"])] for r in rs]
-            mean, spread = float(np.mean(vals)), float(np.ptp(vals)) / 2
-            stats[label][m] = (mean, spread)
-            cells.append(f"{mean:.3f}" + (f" ± {spread:.3f}" if len(vals) > 1 else ""))
-        top = max(multiples)
-        cells.append(f"{stats[label][top][0] / stats[label][1][0]:.2f}")
-        rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    return rows, stats
+def _find(groups: dict[str, Any], prefix: str) -> str | None:
+    return next((k for k in groups if k.startswith(prefix)), None)
 
 
-def _claims(stats, multiples) -> list[str]:
-    """Plain statements of which of the paper's claims the measured table supports."""
+def _losses(groups, multiples) -> dict[str, dict[int, Seeds]]:
+    """label -> multiple -> seed -> validation loss."""
+    return {
+        label: {
+            m: {r["config"]["seed"]: r["loss"][str(m * r["train_len"])] for r in rs}
+            for m in multiples
+        }
+        for label, rs in groups.items()
+    }
+
+
+def _iv(values: Seeds) -> Interval:
+    return mean_ci([values[k] for k in sorted(values)])
+
+
+def _diff(a: Seeds, b: Seeds, relative: bool = False) -> Interval:
+    """a - b (or a / b - 1) paired by seed, over the seeds both have."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ValueError("no common seed to pair")
+    if relative:
+        return mean_ci([a[s] / b[s] - 1 for s in seeds])
+    return paired_ci([a[s] for s in seeds], [b[s] for s in seeds])
+
+
+def _ratio(v: dict[int, Seeds], top: int) -> Interval:
+    return mean_ci([v[top][s] / v[1][s] for s in sorted(v[1])])
+
+
+def _fmt(iv: Interval, digits: int = 3, sign: bool = False) -> str:
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
+    return f.format(iv.mean) if iv.lo is None else f"{f.format(iv.mean)} ± {iv.half:.{digits}f}"
+
+
+def _word(v: str) -> str:
+    """Verdict of "a - b < 0" as a table word."""
+    return {"supported": "lower", "contradicted": "higher"}.get(v, v)
+
+
+def _loss_table(losses, multiples, groups) -> list[str]:
     top = max(multiples)
-    out = []
+    rows = [
+        "| attention | seeds | " + " | ".join(f"{m}x" for m in multiples) + f" | {top}x / 1x |",
+        "|---" * (len(multiples) + 3) + "|",
+    ]
+    for label, v in losses.items():
+        cells = [_fmt(_iv(v[m])) for m in multiples]
+        rows.append(
+            f"| {label} | {len(v[1])} | " + " | ".join(cells) + f" | {_fmt(_ratio(v, top), 2)} |"
+        )
+    first = next(iter(groups.values()))[0]
+    windows = " / ".join(str(first["windows_per_length"][str(m * first["train_len"])])
+                         for m in multiples)  # fmt: skip
+    return rows + [
+        "",
+        f"Each cell: mean ± the half-width of the 95% t-interval over the seeds (no interval "
+        f"with one seed). Scored tokens per length and seed: {first['tokens_per_length']}, in "
+        f"{windows} windows at {' / '.join(f'{m}x' for m in multiples)}, spread evenly over "
+        "the whole validation split.",
+    ]
 
-    soft, lssar15, lssa = stats.get(SOFTMAX.label), stats.get(LSSAR15.label), stats.get(LSSA.label)
-    if soft and lssar15:
-        r_soft = soft[top][0] / soft[1][0]
-        r_lssar = lssar15[top][0] / lssar15[1][0]
-        flat = r_lssar <= 1.10
-        out.append(
-            f"- **LSSAR (p=15) loss stays nearly flat to {top}x** (paper: 3.19 -> 3.32, x1.04): "
-            f"measured x{r_lssar:.2f} -> **{'supported' if flat else 'not supported'}** "
-            f"(criterion: 16x/1x <= 1.10)."
+
+def _claims(losses, multiples) -> list[str]:
+    """The paper's claims, each judged from its 95% interval over seeds (:func:`judge`)."""
+    top = max(multiples)
+    soft, lssa = losses.get(SOFTMAX.label), losses.get(LSSA.label)
+    lssar, qk = losses.get(LSSAR15.label), losses.get(QKNORM.label)
+    window = losses.get(_find(losses, WINDOW) or "")
+    below = ({"hi": 0.0}, "criterion < 0", 3)
+    items: list[tuple[str, Interval, tuple[dict[str, float], str, int]]] = []
+    if lssar:
+        text = f"LSSAR (p=15) loss stays nearly flat to {top}x (paper x1.04): {top}x / 1x"
+        items.append((text, _ratio(lssar, top), ({"hi": 1.10}, "criterion <= 1.10", 2)))
+    if soft:
+        text = (
+            f"Softmax+RoPE degrades sharply beyond the training length (paper x2.20): {top}x / 1x"
         )
-        out.append(
-            f"- **Softmax+RoPE degrades sharply beyond the training length** (paper x2.20 at "
-            f"16x): measured x{r_soft:.2f} -> **{'supported' if r_soft >= 1.5 else 'not supported'}"
-            "** (criterion: >= 1.5)."
+        items.append((text, _ratio(soft, top), ({"lo": 1.5}, "criterion >= 1.5", 2)))
+    if soft and lssar:
+        text = f"LSSAR beats softmax at {top}x: lssar p=15 - softmax"
+        items.append((text, _diff(lssar[top], soft[top]), below))
+        text = (
+            "LSSAR matches softmax at the training length (paper 3.19 vs 3.19): lssar / softmax - 1"
         )
-        better = lssar15[top][0] < soft[top][0]
-        out.append(
-            f"- **LSSAR beats softmax at {top}x**: {lssar15[top][0]:.3f} vs {soft[top][0]:.3f} -> "
-            f"**{'supported' if better else 'contradicted'}**."
+        rel = _diff(lssar[1], soft[1], relative=True)
+        items.append((text, rel, ({"lo": -0.02, "hi": 0.02}, "criterion within ±0.02", 3)))
+    if soft and lssa:
+        text = (
+            "LSSA alone beats softmax beyond the training length (paper 5.94 vs 6.28 at 8x): "
+            f"lssa - softmax at {top}x"
         )
-        gap = (lssar15[1][0] - soft[1][0]) / soft[1][0]
-        out.append(
-            f"- **LSSAR matches softmax at the training length** (paper 3.19 vs 3.19): "
-            f"{lssar15[1][0]:.3f} vs {soft[1][0]:.3f} ({gap:+.1%}) -> "
-            f"**{'supported' if abs(gap) <= 0.02 else 'not supported'}** (criterion: within 2%)."
+        items.append((text, _diff(lssa[top], soft[top]), below))
+    if lssa and lssar:
+        text = (
+            f"Re-weighting (stage 2) is what makes lengths extrapolate: lssar p=15 - lssa at {top}x"
         )
-    if lssa and lssar15:
-        helps = lssar15[top][0] < lssa[top][0]
-        out.append(
-            f"- **Re-weighting (stage 2) is what makes lengths extrapolate, LSSA alone is not "
-            f"enough**: lssa {lssa[top][0]:.3f} vs lssar p=15 {lssar15[top][0]:.3f} at {top}x "
-            f"-> **{'supported' if helps else 'contradicted'}**."
+        items.append((text, _diff(lssar[top], lssa[top]), below))
+    for label, v in losses.items():
+        if label.startswith("lssa -> ") and lssa:
+            text = f"Fine-tuning-free re-weighting improves long contexts: {label} - lssa at {top}x"
+            items.append((text, _diff(v[top], lssa[top]), below))
+    if lssar and qk:
+        text = (
+            f"LSSAR beats the strongest baseline (softmax with LSSA's length scale) at {top}x: "
+            "lssar p=15 - softmax-qknorm-logn"
         )
-    ft = stats.get(run_label(LSSA, LSSAR15))
-    if ft and lssa:
-        helps = ft[top][0] < lssa[top][0]
+        items.append((text, _diff(lssar[top], qk[top]), below))
+    if lssar and window:
+        text = (
+            f"LSSAR at {top}x does better than a model that sees only the last L tokens: "
+            "lssar p=15 - sliding-window softmax"
+        )
+        items.append((text, _diff(lssar[top], window[top]), below))
+    out = []
+    for text, iv, (bounds, criterion, digits) in items:
+        v = judge(iv, **bounds)
+        out.append(f"- **{text}**: measured {_fmt(iv, digits)} -> **{v}** ({criterion}).")
+    if lssar and window and judge(_diff(lssar[top], window[top]), hi=0.0) != "supported":
         out.append(
-            f"- **Fine-tuning-free re-weighting (p=15 applied to an LSSA model at evaluation) "
-            f"improves long-context loss**: {ft[top][0]:.3f} vs {lssa[top][0]:.3f} at {top}x -> "
-            f"**{'supported' if helps else 'contradicted'}**."
+            "  So flat loss here does **not** show that LSSAR uses context beyond the training "
+            "length: attending to the last L tokens only does as well, within the intervals."
         )
     return out
+
+
+# (question, a, b): the rows of the decomposition, "a - b" at every length
+DECOMPOSITION = [
+    ("length scale alone (softmax with the same scale as LSSA)", QKNORM.label, SOFTMAX.label),
+    ("Softplus-l1 instead of softmax, no length scale", SOFTPLUS_L1.label, SOFTMAX.label),
+    ("Softplus-l1 instead of softmax, given the length scale", LSSA.label, QKNORM.label),
+    ("re-weighting p=15 on LSSA (trained)", LSSAR15.label, LSSA.label),
+    ("re-weighting p=3 on LSSA (trained)", LSSAR3.label, LSSA.label),
+    ("LSSAR vs the strongest baseline", LSSAR15.label, QKNORM.label),
+    ("LSSAR vs the sliding-window control", LSSAR15.label, WINDOW),
+]
+
+
+def _diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="question") -> list[str]:
+    out = [
+        f"| {head} | a - b | " + " | ".join(f"{m}x" for m in multiples) + " |",
+        "|---" * (len(multiples) + 2) + "|",
+    ]
+    for question, a, b in rows:
+        a, b = _find(losses, a) if a == WINDOW else a, _find(losses, b) if b == WINDOW else b
+        if a not in losses or b not in losses:
+            continue
+        cells = []
+        for m in multiples:
+            iv = _diff(losses[a][m], losses[b][m])
+            cells.append(f"{_fmt(iv, 3, sign=True)} {_word(judge(iv, hi=0.0))}")
+        out.append(f"| {question} | {a} - {b} | " + " | ".join(cells) + " |")
+    return out + [
+        "",
+        "Each cell: the loss difference a - b paired by seed, mean ± the 95% t-interval's "
+        "half-width; **lower** / **higher** when the interval excludes 0 (a is better / worse), "
+        "else *within noise*.",
+    ]
+
+
+def _every_arm(losses, multiples, against: str) -> list[str]:
+    rows = [(label, label, against) for label in losses if label != against]
+    return _diff_table(losses, multiples, rows, head="arm")
+
+
+def _diagnostics(groups, multiples) -> list[str]:
+    top = max(multiples)
+    lines = [
+        "| attention | windows | entropy 1x [uniform] | entropy "
+        f"{top}x [uniform] | first-token mass 1x [uniform] | first-token mass {top}x [uniform] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, rs in groups.items():
+        if not all("diagnostics" in r for r in rs):
+            continue
+        cells = []
+        for key, digits in (("entropy", 2), ("sink", 4)):
+            for m in (1, top):
+                ds = [r["diagnostics"][str(m * r["train_len"])] for r in rs]
+                iv = mean_ci([float(np.mean(d[key])) for d in ds])
+                cells.append(f"{_fmt(iv, digits)} [{ds[0][f'uniform_{key}']:.{digits}f}]")
+        n = rs[0]["diagnostics"][str(rs[0]["train_len"])]["windows"]
+        lines.append(f"| {label} | {n} x {len(rs)} | " + " | ".join(cells) + " |")
+    return lines + [
+        "",
+        "Mean row entropy (nats) and mean attention mass on the window's first token, averaged "
+        "over layers, heads, rows and the windows (spread over the split), ± the 95% interval "
+        "over seeds. In brackets: the same for uniform attention over the visible keys (ln N_i, "
+        "1/N_i). A first-token mass above the uniform one is an attention sink.",
+    ]
+
+
+def _passkey(groups, multiples, preset: Preset) -> list[str]:
+    pk = {label: rs for label, rs in groups.items() if all("passkey" in r for r in rs)}
+    if not pk:
+        return []
+    s = preset.passkey
+    lines = [
+        "## Passkey retrieval",
+        "",
+        f"A {s.digits}-digit key in real text at depth 10% / 50% / 90%, greedy exact match, "
+        f"{s.trials} probes per (length, depth) per seed. Each model is first fine-tuned on "
+        f"probes at the training length (batch {s.batch_size}, lr {s.lr:g}) until it retrieves "
+        f"{s.target:.0%} of training-text probes, at most {s.max_steps} steps; an arm below "
+        f"{s.target:.0%} at 1x on the test probes is *inconclusive* (not learned at the "
+        "training length), not a result.",
+        "",
+        "| attention | fine-tune steps | learned (seeds) | "
+        + " | ".join(f"{m}x" for m in multiples)
+        + " |",
+        "|---" * (len(multiples) + 3) + "|",
+    ]
+    acc: dict[str, dict[int, list[float]]] = {}
+    for label, rs in pk.items():
+        acc[label] = {
+            m: [
+                float(np.mean(list(r["passkey"]["accuracy"][str(m * r["train_len"])].values())))
+                for r in sorted(rs, key=lambda r: r["config"]["seed"])
+            ]
+            for m in multiples
+        }
+        steps = np.mean([r["passkey"]["steps"] for r in rs])
+        learned = sum(r["passkey"]["reached"] for r in rs)
+        cells = [mean_ci(acc[label][m]).fmt() + "%" for m in multiples]
+        lines.append(f"| {label} | {steps:.0f} | {learned}/{len(rs)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Paper: softmax 64% / 0% / 0% vs LSSAR p=15 86% / 45% / 20% at 1x / 1.5x / 4x.",
+        "",
+    ]
+    soft = acc.get(SOFTMAX.label)
+    for label, a in acc.items():
+        if label == SOFTMAX.label or soft is None:
+            continue
+        for m in multiples[1:]:
+            v = verdict(a[m], soft[m], a[1], soft[1], floor=s.target, names=(label, "softmax"))
+            word = "inconclusive (not learned at the training length)" if (
+                v.label == "inconclusive") else v.label  # fmt: skip
+            lines.append(f"- {label} vs softmax at {m}x: **{word}** -- {v.detail}.")
+    return lines + [""]
+
+
+def _provenance(results: list[dict[str, Any]], env: dict[str, Any]) -> tuple[str, list[str]]:
+    """(the report's first line on where its numbers come from, the table of every result)."""
+    train_shas = sorted({str(r["env"].get("git_sha")) for r in results})
+    eval_shas = sorted({str(r.get("eval_env", {}).get("git_sha")) for r in results})
+    dirty = [
+        r for r in results if r["env"].get("git_dirty") or r.get("eval_env", {}).get("git_dirty")
+    ]
+    n_runs = len({r["run"] for r in results})
+    short = lambda shas: ", ".join(x[:10] for x in shas)  # noqa: E731
+    head = (
+        f"**Built from uncommitted code**: {len(dirty)} of {len(results)} results were trained "
+        "or evaluated in a dirty checkout"
+        + (" and this report was written from one" if env.get("git_dirty") else "")
+        + "."
+        if dirty or env.get("git_dirty")
+        else "Built from committed code"
+    )
+    head += (
+        f" -- training runs at commit {short(train_shas)} ({n_runs} runs), evaluations at "
+        f"{short(eval_shas)}, this report at {str(env.get('git_sha'))[:10]}."
+    )
+    rows = [
+        "| result | trained at | evaluated at | evaluation code |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        t, e = r["env"], r.get("eval_env", {})
+        mark = lambda x: str(x.get("git_sha"))[:10] + (" (dirty)" if x.get("git_dirty") else "")  # noqa: E731
+        rows.append(
+            f"| `{Path(r['run']).name}/eval/{r.get('tag', '?')}` | {mark(t)} | {mark(e)} | "
+            f"{r.get('eval_version', '?')} |"
+        )
+    return head, rows
 
 
 def write_report(
     preset_name: str, preset: Preset, results: list[dict[str, Any]], out: Path, seconds: float
 ) -> Path:
     """REPORT.md, results.json and plots in ``out``, generated from the evaluation results."""
-    groups = _group(results)
+    groups = group(results)
     multiples = preset.multiples
-    rows, stats = _loss_table(groups, multiples)
+    losses = _losses(groups, multiples)
     first = results[0]
     train_len = first["train_len"]
     cfg = first.get("config") or {}
+    env = environment()
+    head, prov_rows = _provenance(results, env)
+    seeds = sorted({r["config"]["seed"] for r in results})
     lines = [
         f"# lssar reproduce --preset {preset_name}",
         "",
+        head,
+        "",
         f"{preset.description}. Generated by `lssar reproduce --preset {preset_name}` from the run "
         f"directories under `{Path(first['run']).parent}` on {dt.date.today().isoformat()} "
-        f"({seconds / 60:.1f} min for this invocation; finished runs are reused).",
+        f"({seconds / 60:.1f} min for this invocation; finished runs and evaluations are reused).",
         "",
         f"Setting: training length {train_len} tokens, {cfg.get('n_layer', '?')} layers, "
         f"{cfg.get('n_embd', '?')} wide, tokenizer `{cfg.get('tokenizer', '?')}`, corpus "
-        f"`{cfg.get('corpus', '?')}`, {cfg.get('max_steps', '?')} steps, seeds "
-        f"{preset.seeds}; {first['tokens_per_length']} validation tokens per length.",
+        f"`{cfg.get('corpus', '?')}`, {cfg.get('max_steps', '?')} steps, seeds {seeds}. "
+        f"The sliding-window control is the softmax model evaluated with every query limited to "
+        f"its last {train_len} keys (at the training length that is the causal mask, so it "
+        "trains exactly as softmax).",
         "",
-        "## Validation loss by evaluation length (this run)",
+        "## Validation loss by evaluation length",
         "",
-        *rows,
-        "",
-        "Multiple seeds: mean ± half the range.",
+        *_loss_table(losses, multiples, groups),
         "",
         "## The paper (GPT-2 124M, FineWeb 10B, trained at 1024; METHOD.md section 7)",
         "",
@@ -292,96 +511,88 @@ def write_report(
             + " | ".join(f"{vals[m]:.2f}" if m in vals else "-" for m in multiples)
             + " |"
         )
+    one_seed = "" if len(seeds) > 1 else (
+        " With one seed there is no interval, so no claim can be supported or contradicted: run "
+        "the `cpu` preset (3 seeds) for verdicts."
+    )  # fmt: skip
     lines += [
         "",
-        "## Which claims this run supports",
+        "## The paper's claims, judged from the intervals",
         "",
         f"At this scale ({cfg.get('n_layer', '?')}-layer, {cfg.get('n_embd', '?')}-wide "
-        f"model, {train_len}-token training windows), not at the paper's:",
+        f"model, {train_len}-token training windows), not at the paper's. A claim is "
+        "*supported* when the 95% interval over seeds (paired by seed for differences) lies "
+        "wholly on its side of the criterion, *contradicted* when it lies wholly on the other "
+        f"side, else *within noise*.{one_seed}",
         "",
-        *_claims(stats, multiples),
+        *_claims(losses, multiples),
+        "",
+        "## What each ingredient does (a - b, paired by seed)",
+        "",
+        *_diff_table(losses, multiples, DECOMPOSITION),
+        "",
+        "## Every arm against softmax",
+        "",
+        *_every_arm(losses, multiples, SOFTMAX.label),
         "",
     ]
-    diag = [r for r in results if "diagnostics" in r]
-    if diag:
-        top = str(max(multiples) * train_len)
+    if LSSAR15.label in losses:
         lines += [
-            "## Attention diagnostics",
+            "## Every arm against LSSAR p=15",
             "",
-            f"Mean row entropy (nats) and mass on the first token, averaged over layers, at "
-            f"1x and {max(multiples)}x.",
+            *_every_arm(losses, multiples, LSSAR15.label),
             "",
-            "| attention | entropy 1x | entropy top | sink 1x | sink top |",
-            "|---|---|---|---|---|",
         ]
-        for label, rs in groups.items():
-            d1 = [np.mean(r["diagnostics"][str(train_len)]["entropy"]) for r in rs]
-            dt_ = [np.mean(r["diagnostics"][top]["entropy"]) for r in rs]
-            s1 = [np.mean(r["diagnostics"][str(train_len)]["sink"]) for r in rs]
-            st = [np.mean(r["diagnostics"][top]["sink"]) for r in rs]
-            lines.append(
-                f"| {label} | {np.mean(d1):.3f} | {np.mean(dt_):.3f} | "
-                f"{np.mean(s1):.3f} | {np.mean(st):.3f} |"
-            )
-        lines.append("")
-    health = [r for r in results if "numerical_health" in r]
+    if any("diagnostics" in r for r in results):
+        lines += ["## Attention diagnostics", "", *_diagnostics(groups, multiples), ""]
+    health = {k: rs for k, rs in groups.items() if all("numerical_health" in r for r in rs)}
     if health:
         lines += [
-            "## Numerical health at the longest length",
+            f"## Numerical health at {max(multiples)}x (worst over seeds)",
             "",
             "| attention | bf16 non-finite | bf16 loss error | fp16 non-finite | fp16 loss error |",
             "|---|---|---|---|---|",
         ]
-        for label, rs in groups.items():
-            h = rs[0]["numerical_health"]
-            lines.append(
-                f"| {label} | {h['bf16']['nonfinite_logits']} | "
-                f"{h['bf16']['abs_error_vs_fp64']:.1e} | {h['fp16']['nonfinite_logits']} "
-                f"| {h['fp16']['abs_error_vs_fp64']:.1e} |"
-            )
-        lines.append("")
-    pk = [r for r in results if "passkey" in r]
-    if pk:
-        lengths = list(pk[0]["passkey"])
-        lines += [
-            "## Passkey retrieval (mean over depths and seeds)",
-            "",
-            "| attention | " + " | ".join(f"{int(t) // train_len}x" for t in lengths) + " |",
-            "|---" * (len(lengths) + 1) + "|",
-        ]
-        for label, rs in groups.items():
+        for label, rs in health.items():
+            h = [r["numerical_health"] for r in rs]
             cells = [
-                np.mean([np.mean(list(r["passkey"][t].values())) for r in rs]) for t in lengths
+                f"{max(x[k]['nonfinite_logits'] for x in h)} | "
+                f"{max(x[k]['abs_error_vs_fp64'] for x in h):.1e}"
+                for k in ("bf16", "fp16")
             ]
-            lines.append(f"| {label} | " + " | ".join(f"{c:.0%}" for c in cells) + " |")
-        lines += [
-            "",
-            "Paper: softmax 64% / 0% / 0% vs LSSAR p=15 86% / 45% / 20% at 1x / 1.5x / 4x.",
-            "",
-        ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += _passkey(groups, multiples, preset)
     lines += [
         "## Plots",
         "",
         "![loss vs length](loss_vs_length.png)",
         "![loss by position](loss_by_position.png)",
-        "![entropy and sink](entropy_sink_vs_length.png)",
+        "![entropy and first-token mass](entropy_sink_vs_length.png)",
     ]
-    if pk:
+    if any("passkey" in r for r in results):
         lines.append("![passkey](passkey.png)")
-    env = first.get("env") or {}
-    lines += ["", "## Environment", "", "```", json.dumps(env, indent=1), "```", ""]
+    lines += [
+        "",
+        "## Provenance",
+        "",
+        *prov_rows,
+        "",
+        "This invocation's environment:",
+        "",
+        "```",
+        json.dumps(env, indent=1),
+        "```",
+        "",
+    ]
     out.mkdir(parents=True, exist_ok=True)
     plot_results(results, out)
+    summary = {
+        label: {str(m): _iv(v[m]).__dict__ for m in multiples} for label, v in losses.items()
+    }
     atomic_write(
         out / "results.json",
-        json.dumps(
-            {
-                "preset": preset_name,
-                "results": results,
-                "summary": {k: {str(m): v for m, v in s.items()} for k, s in stats.items()},
-            },
-            indent=1,
-        ),
+        json.dumps({"preset": preset_name, "results": results, "summary": summary}, indent=1),
     )
     atomic_write(out / "REPORT.md", "\n".join(lines))
     return out

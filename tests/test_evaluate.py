@@ -60,9 +60,17 @@ def test_evaluate_run_writes_results_and_reuses_them(runs):
     assert list(r["loss"]) == ["16", "32", "64", "256"]
     assert r["tokens_per_length"] == 512 and all(np.isfinite(list(r["loss"].values())))
     assert len(r["loss_by_position"]) == evaluate.N_POSITION_BUCKETS
+    assert r["windows_per_length"] == {"16": 32, "32": 16, "64": 8, "256": 2}
     assert set(r["diagnostics"]) == {"16", "32", "64", "256"}
     d = r["diagnostics"]["256"]
     assert len(d["entropy"]) == 2 and all(0 <= s <= 1 for s in d["sink"])
+    assert d["windows"] == 8  # the default, spread over the split
+    # uniform attention over 1..256 causal keys: mean ln N and mean 1/N
+    assert d["uniform_entropy"] == pytest.approx(np.mean(np.log(np.arange(1, 257))))
+    assert d["uniform_sink"] == pytest.approx(np.mean(1 / np.arange(1, 257)))
+    # provenance: the run's environment and this evaluation's, and the evaluation code's version
+    assert r["env"]["git_sha"] == r["eval_env"]["git_sha"] and "git_dirty" in r["eval_env"]
+    assert r["eval_version"] == evaluate.eval_code_version() and len(r["eval_version"]) == 12
     h = r["numerical_health"]
     assert h["length"] == 256 and h["bf16"]["nonfinite_logits"] == 0
     out = runs["lssa"] / "eval" / "lssa"
@@ -78,6 +86,48 @@ def test_evaluate_run_writes_results_and_reuses_them(runs):
     before = (out / "results.json").stat().st_mtime_ns
     again = evaluate.evaluate_run(runs["lssa"], [1, 2, 4, 16], eval_tokens=512, progress=False)
     assert again == r and (out / "results.json").stat().st_mtime_ns == before
+
+
+def test_cached_evaluation_is_recomputed_when_the_evaluation_code_changes(runs, monkeypatch):
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    r = evaluate.evaluate_run(runs["softmax"], [1, 2], **kw)
+    monkeypatch.setattr(evaluate, "eval_code_version", lambda: "0123456789ab")
+    again = evaluate.evaluate_run(runs["softmax"], [1, 2], **kw)
+    assert again["eval_version"] == "0123456789ab" != r["eval_version"]
+    assert again["loss"] == r["loss"]  # recomputed, and the same numbers
+
+
+def test_uniform_attention_matches_the_uniform_baseline(runs):
+    """With q = k = 0 softmax attends uniformly: entropy and first-token mass equal the printed
+    uniform values, for full causal attention and for a sliding window."""
+    model, _, meta = load_run(runs["softmax"])
+    for block in model.blocks:  # zero the q and k rows of the fused projection
+        block.attn.qkv.weight.data[: 2 * model.cfg.n_embd] = 0
+    val = data.load_split(meta["data_dir"], "val")
+    for window in (None, 5):
+        d = evaluate.attention_diagnostics(model, val, [16, 48], n_windows=3, window=window)
+        for t in ("16", "48"):
+            assert d[t]["windows"] == 3
+            assert np.allclose(d[t]["entropy"], d[t]["uniform_entropy"], atol=1e-5)
+            assert np.allclose(d[t]["sink"], d[t]["uniform_sink"], atol=1e-6)
+    assert d["48"]["uniform_entropy"] == pytest.approx(
+        np.mean(np.log(np.minimum(np.arange(1, 49), 5)))
+    )
+
+
+def test_sliding_window_control(runs):
+    """Window = training length: identical to full attention at 1x (the causal mask already
+    limits every row to L keys), different beyond it; its own tag and label."""
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    full = evaluate.evaluate_run(runs["softmax"], [1, 4], **kw)
+    win = evaluate.evaluate_run(runs["softmax"], [1, 4], window=16, **kw)
+    assert win["loss"]["16"] == pytest.approx(full["loss"]["16"], abs=1e-6)
+    assert win["loss"]["64"] != pytest.approx(full["loss"]["64"], abs=1e-4)
+    assert win["tag"] == "softmax_window16" and win["window"] == 16
+    assert (runs["softmax"] / "eval" / "softmax_window16" / "results.json").exists()
+    assert evaluate.label_of(win) == "softmax, sliding window 16"
+    with pytest.raises(ValueError, match="window must be a positive"):
+        evaluate.evaluate_run(runs["softmax"], [1], window=0, **kw)
 
 
 def test_fine_tuning_free_reweighting_override(runs):
@@ -108,7 +158,9 @@ def test_bad_input(runs, tmp_path, capsys):
     with pytest.raises(ValueError, match="tokens; .* are needed"):
         evaluate.evaluate_run(runs["softmax"], [1, 16], eval_tokens=10**7, progress=False)
     with pytest.raises(ValueError, match="too short for a passkey probe"):
-        evaluate.evaluate_run(runs["softmax"], [1], eval_tokens=64, passkey=True, progress=False)
+        evaluate.evaluate_run(
+            runs["softmax"], [1], eval_tokens=64, passkey=evaluate.PasskeySettings(), progress=False
+        )
     assert cli_main(["eval", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -122,49 +174,186 @@ def test_passkey_probe_construction_and_scoring(runs):
     assert len(ids) == 200 and text.endswith(evaluate.QUESTION + "48213")
     assert "The pass key is 48213." in text and tok.decode(ids[answer:]) == "48213"
     model, _, _ = load_run(runs["softmax"])
-    tuned = evaluate.passkey_finetune(model, tok, filler, 96, steps=2, batch_size=2, progress=False)
+    tuned, fit = evaluate.passkey_finetune(
+        model, tok, filler, 96, max_steps=3, check_every=2, batch_size=2, progress=False
+    )
+    assert fit["steps"] == 3 and fit["reached"] == (fit["check_accuracy"] >= 0.9)
     acc = evaluate.passkey_accuracy(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2)
     assert set(acc) == {"96", "192"} and set(acc["96"]) == {"0.1", "0.9"}
     assert all(0.0 <= a <= 1.0 for row in acc.values() for a in row.values())
+    # it stops at the first check that reaches the target (target 0: the first check)
+    _, fit = evaluate.passkey_finetune(
+        model, tok, filler, 96, max_steps=50, target=0.0, check_every=2, batch_size=2,
+        progress=False,
+    )  # fmt: skip
+    assert fit == {"steps": 2, "check_accuracy": fit["check_accuracy"], "reached": True}
+    x, starts = evaluate._passkey_batch(tok, filler, 96, 3, rng, digits=2)
+    for row, a in zip(x, starts):
+        assert len(tok.decode(row[a:].tolist())) == 2 and tok.decode(row[a:].tolist()).isdigit()
 
 
-def _fake(label_train, label_eval, losses, train_len=16):
+def _fake(train, evaluated, losses, seed=0, window=None, dirty=False, train_len=16):
+    env = {"git_sha": "a" * 40, "git_dirty": dirty}
     return {
-        "run": "runs/x/y",
-        "trained_attention": label_train,
-        "evaluated_attention": label_eval,
+        "run": f"runs/x/{train}-s{seed}",
+        "tag": evaluated.replace(" ", "_"),
+        "trained_attention": train,
+        "evaluated_attention": evaluated,
+        "window": window,
         "train_len": train_len,
         "tokens_per_length": 512,
+        "windows_per_length": {
+            str(m * train_len): 512 // (m * train_len) for m in (1, 2, 4, 8, 16)
+        },
         "loss": {str(m * train_len): v for m, v in zip([1, 2, 4, 8, 16], losses)},
         "loss_by_position": [1.0] * 32,
-        "config": {"n_layer": 2},
-        "env": {},
+        "config": {"n_layer": 2, "seed": seed},
+        "env": env,
+        "eval_env": {"git_sha": "b" * 40, "git_dirty": False},
+        "eval_version": "0123456789ab",
     }
 
 
-def test_report_states_claims_from_the_numbers(tmp_path):
+SEED_NOISE = (0.0, 0.01, -0.01)  # the same shift for every arm of a seed: paired differences
+
+
+def _arm(train, evaluated, losses, jitter=0.0, **kw):
+    """Three seeds of one arm: seed i adds SEED_NOISE[i] (+ i * jitter) to every length."""
+    return [
+        _fake(train, evaluated, [x + n + i * jitter for x in losses], seed=i, **kw)
+        for i, n in enumerate(SEED_NOISE)
+    ]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """The report's own environment, as a clean checkout at commit ccc... would give it."""
+    env = {"git_sha": "c" * 40, "git_dirty": False, "argv": ["lssar", "reproduce"]}
+    monkeypatch.setattr(reproduce, "environment", lambda: dict(env))
+    return env
+
+
+def _report(tmp_path, results, name="r", preset="cpu"):
+    out = reproduce.write_report(preset, reproduce.PRESETS[preset], results, tmp_path / name, 1.0)
+    return (out / "REPORT.md").read_text()
+
+
+def test_report_verdicts_from_intervals(tmp_path, clean_env):
+    soft = [1.9, 2.0, 2.2, 2.5, 2.9]  # x1.53 at 16x
     results = [
-        _fake("softmax", "softmax", [3.2, 4.2, 5.5, 6.3, 7.0]),
-        _fake("lssa", "lssa", [3.2, 4.1, 5.3, 5.9, 6.2]),
-        _fake("lssa", "lssar p=15", [3.3, 3.3, 3.4, 3.5, 3.5]),
+        *_arm("softmax", "softmax", soft),
+        *_arm("softmax", "softmax", [1.9, 2.0, 2.05, 2.1, 2.12], window=16),
+        *_arm("lssa", "lssa", [1.93, 2.3, 2.6, 2.8, 3.0]),
+        # eval-only p=15: worse than lssa by 0.5 +- a lot: the seeds disagree -> within noise
+        *_arm("lssa", "lssar p=15", [2.43, 2.8, 3.1, 3.3, 3.5], jitter=-0.6),
+        *_arm("lssar p=15", "lssar p=15", [1.935, 1.94, 1.99, 2.1, 2.3]),
+        *_arm("softmax-qknorm-logn", "softmax-qknorm-logn", [1.9, 1.91, 1.99, 2.12, 2.3]),
+    ]
+    text = _report(tmp_path, results)
+    assert text.startswith("# lssar reproduce --preset cpu\n\nBuilt from committed code")
+    assert "training runs at commit aaaaaaaaaa (12 runs)" in text  # windows/eval-only reuse runs
+    assert "evaluations at bbbbbbbbbb, this report at cccccccccc." in text
+    assert '"argv": [\n  "lssar",\n  "reproduce"\n ]' in text  # its own invocation's environment
+    # flat: 2.3 / 1.935 = 1.19 on every seed (same shift) -> tight interval above 1.10
+    assert "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 -> " \
+        "**contradicted**" in text  # fmt: skip
+    assert "16x / 1x**: measured 1.53 ± 0.01 -> **supported** (criterion >= 1.5)" in text
+    assert "lssar p=15 - softmax**: measured -0.600 ± 0.000 -> **supported**" in text
+    # 1.935 vs 1.9: +1.8% (inside +-2%)
+    assert "lssar / softmax - 1**: measured 0.018 ± 0.000 -> **supported**" in text
+    assert "lssa -> lssar p=15 (eval only) - lssa at 16x**: measured -0.100 ± 1.491 -> " \
+        "**within noise**" in text  # fmt: skip
+    # LSSAR vs the strongest baseline: identical at 16x, an interval touching 0 is not "< 0"
+    assert "lssar p=15 - softmax-qknorm-logn**: measured 0.000 ± 0.000 -> **within noise**" in text
+    # the window control is better than LSSAR at 16x: contradicted, and the report says so
+    assert (
+        "lssar p=15 - sliding-window softmax**: measured 0.180 ± 0.000 -> **contradicted**" in text
+    )
+    assert "does **not** show that LSSAR uses context beyond the training length" in text
+    assert (
+        "| LSSAR vs the sliding-window control | lssar p=15 - softmax, sliding window 16 |" in text
+    )
+    assert (
+        "| re-weighting p=15 on LSSA (trained) | lssar p=15 - lssa | +0.005 ± 0.000 higher |"
+        in text
+    )
+    assert "## Every arm against softmax" in text and "## Every arm against LSSAR p=15" in text
+    assert "Scored tokens per length and seed: 512, in 32 / 16 / 8 / 4 / 2 windows" in text
+    assert "| softmax | 3 | 1.900 ± 0.025 |" in text  # sd 0.01, t(2) = 4.303: 4.303 * .01 / sqrt 3
+    for png in ("loss_vs_length", "loss_by_position"):
+        assert (tmp_path / "r" / f"{png}.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "r" / "results.json").read_text())["summary"]
+    assert summary["softmax"]["16"]["n"] == 3
+
+
+def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, clean_env):
+    results = [
+        _fake("softmax", "softmax", [3.2, 4.2, 5.5, 6.3, 7.0], dirty=True),
         _fake("lssar p=15", "lssar p=15", [3.2, 3.2, 3.2, 3.3, 3.3]),
     ]
-    out = reproduce.write_report("quick", reproduce.PRESETS["quick"], results, tmp_path / "r", 1.0)
+    text = _report(tmp_path, results, preset="quick")
+    assert text.splitlines()[2].startswith("**Built from uncommitted code**: 1 of 2 results")
+    assert "measured -3.700 -> **no interval**" in text and "With one seed there is no" in text
+    assert "Multiple seeds" not in text and "-> **supported**" not in text
+    clean_env["git_dirty"] = True  # a clean run, reported from a dirty checkout
+    text = _report(tmp_path, [results[1]], name="d", preset="quick")
+    assert "0 of 1 results were trained or evaluated in a dirty checkout and this report was " \
+        "written from one." in text  # fmt: skip
+
+
+def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
+    def with_passkey(r, acc1, acc_long, reached):
+        acc = {"16": {"0.5": acc1}, "32": {"0.5": acc_long}}
+        return r | {"passkey": {"steps": 100, "check_accuracy": acc1, "reached": reached,
+                                "accuracy": acc}}  # fmt: skip
+
+    soft = [with_passkey(r, 1.0, 0.0, True) for r in _arm("softmax", "softmax", [2] * 5)]
+    good = [with_passkey(r, 1.0, 0.9 + 0.01 * i, True)
+            for i, r in enumerate(_arm("lssar p=15", "lssar p=15", [2] * 5))]  # fmt: skip
+    bad = [with_passkey(r, 0.5, 0.4, False) for r in _arm("lssa", "lssa", [2] * 5)]
+    preset = reproduce.Preset("t", "tiny-cpu", [], multiples=[1, 2],
+                              passkey=evaluate.PasskeySettings())  # fmt: skip
+    out = reproduce.write_report("cpu", preset, soft + good + bad, tmp_path / "p", 1.0)
     text = (out / "REPORT.md").read_text()
-    assert "measured x1.03 -> **supported**" in text  # LSSAR flat
-    assert "measured x2.19 -> **supported**" in text  # softmax blows up
-    assert "3.300 vs 7.000 -> **supported**" in text
-    assert "lssa -> lssar p=15 (eval only)" in text and "| 3.200 | 4.200 | 5.500 |" in text
-    assert (out / "loss_vs_length.png").exists() and json.loads((out / "results.json").read_text())
-    flipped = [
-        _fake("softmax", "softmax", [3.2, 3.2, 3.3, 3.3, 3.3]),
-        _fake("lssar p=15", "lssar p=15", [3.2, 4.0, 5.0, 6.0, 7.0]),
-    ]
-    text = (
-        reproduce.write_report("quick", reproduce.PRESETS["quick"], flipped, tmp_path / "f", 1.0)
-        / "REPORT.md"
-    ).read_text()
-    assert "**not supported**" in text and "**contradicted**" in text
+    assert "| lssar p=15 | 100 | 3/3 | 100.0 ± 0.0% | 91.0 ± 2.5% |" in text
+    assert "- lssar p=15 vs softmax at 2x: **supported**" in text
+    assert "- lssa vs softmax at 2x: **inconclusive (not learned at the training length)**" in text
+    assert (tmp_path / "p" / "passkey.png").stat().st_size > 0
+
+
+def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
+    """Train 2 arms x 2 seeds, evaluate with the window control, an eval-time p and passkey,
+    write the report; a second invocation reuses every run and evaluation."""
+    tiny = reproduce.Preset(
+        "tiny", "tiny-cpu", [reproduce.SOFTMAX, reproduce.LSSA], eval_reweight=[15.0],
+        seeds=[0, 1], multiples=[1, 2], eval_tokens=192,
+        passkey=evaluate.PasskeySettings(max_steps=2, check_every=1, trials=1, digits=1),
+        passkey_arms=[reproduce.SOFTMAX],
+    )  # fmt: skip
+    monkeypatch.setitem(reproduce.PRESETS, "tiny", tiny)
+    data_dir = load_run(runs["softmax"])[2]["data_dir"]
+    shrink = [f"{k}={v}" for k, v in TINY.items() if k not in ("seq_len", "eval_tokens")]
+    overrides = [*shrink, "seq_len=96", "eval_tokens=192", "max_steps=3", f"data_dir={data_dir}"]
+    kw = dict(runs_dir=tmp_path / "runs", reports_dir=tmp_path / "reports", progress=False)
+    out = reproduce.reproduce("tiny", overrides=overrides, **kw)
+    text = (out / "REPORT.md").read_text()
+    assert out.name.startswith("tiny-") and text.splitlines()[2].startswith(("Built", "**Built"))
+    for label in (
+        "softmax",
+        "softmax, sliding window 96",
+        "lssa",
+        "lssa -> lssar p=15 (eval only)",
+    ):
+        assert f"| {label} | 2 |" in text, label
+    assert "## Passkey retrieval" in text and "| softmax | " in text.split("## Passkey")[1]
+    assert "(4 runs)" in text and "## Provenance" in text
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert len(results) == 8 and all(r["eval_version"] for r in results)
+    assert sum("passkey" in r for r in results) == 4  # softmax and its window control, 2 seeds
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
+    again = reproduce.reproduce("tiny", overrides=overrides, **kw)
+    assert (again / "REPORT.md").exists()
+    assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
 
 
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
