@@ -132,6 +132,23 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
     return cmds
 
 
+def evaluate_arm(
+    preset: Preset, arm: AttentionSpec, run: Path, train_len: int, progress: bool = True
+) -> list[dict[str, Any]]:
+    """The evaluations of one trained run of ``arm``: its own rule (with passkey if ``arm`` is
+    one of the preset's passkey arms), the sliding-window control on softmax runs (window =
+    training length: it trains exactly as softmax), and the eval-time re-weighting sweep on LSSA
+    runs (the paper's fine-tuning-free mode)."""
+    kw = dict(multiples=preset.multiples, eval_tokens=preset.eval_tokens, progress=progress)
+    pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
+    out = [evaluate_run(run, passkey=preset.passkey if arm in pk_arms else None, **kw)]
+    if arm == SOFTMAX and preset.window:
+        out.append(evaluate_run(run, window=train_len, **kw))
+    if arm == LSSA:
+        out += [evaluate_run(run, attn="lssar", attn_p=q, **kw) for q in preset.eval_reweight]
+    return out
+
+
 def reproduce(
     preset_name: str,
     runs_dir: str | Path | None = None,
@@ -150,7 +167,6 @@ def reproduce(
     runs_dir = Path(runs_dir or f"runs/reproduce-{preset.train_preset}")
     started = time.time()
     results: list[dict[str, Any]] = []
-    pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
     for seed in preset.seeds:
         for arm in preset.arms:
             cfg = load_config(
@@ -165,16 +181,8 @@ def reproduce(
             )
             print(f"== {arm.label} (seed {seed})", flush=True)
             run = train(cfg, resume=True, progress=progress)
-            if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
-                continue
-            kw = dict(multiples=preset.multiples, eval_tokens=preset.eval_tokens, progress=progress)
-            passkey = preset.passkey if arm in pk_arms else None
-            results.append(evaluate_run(run, passkey=passkey, **kw))
-            if arm == SOFTMAX and preset.window:  # window = training length: trains as softmax
-                results.append(evaluate_run(run, window=cfg.seq_len, **kw))
-            if arm == LSSA:
-                for q in preset.eval_reweight:  # the paper's fine-tuning-free mode
-                    results.append(evaluate_run(run, attn="lssar", attn_p=q, **kw))
+            if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 evaluates
+                results += evaluate_arm(preset, arm, run, cfg.seq_len, progress)
     if int(os.environ.get("RANK", "0")) != 0:
         return Path(reports_dir)
     stamp = dt.date.today().isoformat()
