@@ -455,17 +455,17 @@ def _provenance(results: list[dict[str, Any]], env: dict[str, Any]) -> tuple[str
     ]
     n_runs = len({r["run"] for r in results})
     short = lambda shas: ", ".join(x[:10] for x in shas)  # noqa: E731
-    head = (
-        f"**Built from uncommitted code**: {len(dirty)} of {len(results)} results were trained "
-        "or evaluated in a dirty checkout"
-        + (" and this report was written from one" if env.get("git_dirty") else "")
-        + "."
-        if dirty or env.get("git_dirty")
-        else "Built from committed code"
-    )
+    if dirty or env.get("git_dirty"):
+        head = (
+            f"**Built from uncommitted code**: {len(dirty)} of {len(results)} results were "
+            "trained or evaluated in a dirty checkout"
+            + (", and this report was written from one." if env.get("git_dirty") else ".")
+        )
+    else:
+        head = "Built from committed code."
     head += (
-        f" -- training runs at commit {short(train_shas)} ({n_runs} runs), evaluations at "
-        f"{short(eval_shas)}, this report at {str(env.get('git_sha'))[:10]}."
+        f" Training runs at commit {short(train_shas)} ({n_runs} runs); evaluations at "
+        f"{short(eval_shas)}; this report at {str(env.get('git_sha'))[:10]}."
     )
     rows = [
         "| result | trained at | evaluated at | evaluation code |",

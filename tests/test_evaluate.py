@@ -251,8 +251,8 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
     ]
     text = _report(tmp_path, results)
     assert text.startswith("# lssar reproduce --preset cpu\n\nBuilt from committed code")
-    assert "training runs at commit aaaaaaaaaa (12 runs)" in text  # windows/eval-only reuse runs
-    assert "evaluations at bbbbbbbbbb, this report at cccccccccc." in text
+    assert "Training runs at commit aaaaaaaaaa (12 runs)" in text  # windows/eval-only reuse runs
+    assert "evaluations at bbbbbbbbbb; this report at cccccccccc." in text
     assert '"argv": [\n  "lssar",\n  "reproduce"\n ]' in text  # its own invocation's environment
     # flat: 2.3 / 1.935 = 1.19 on every seed (same shift) -> tight interval above 1.10
     assert "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 -> " \
@@ -297,7 +297,7 @@ def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, c
     assert "Multiple seeds" not in text and "-> **supported**" not in text
     clean_env["git_dirty"] = True  # a clean run, reported from a dirty checkout
     text = _report(tmp_path, [results[1]], name="d", preset="quick")
-    assert "0 of 1 results were trained or evaluated in a dirty checkout and this report was " \
+    assert "0 of 1 results were trained or evaluated in a dirty checkout, and this report was " \
         "written from one." in text  # fmt: skip
 
 
