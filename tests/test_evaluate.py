@@ -363,3 +363,17 @@ def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     plan = capsys.readouterr().out
     assert plan.count("torchrun --standalone --nproc_per_node=8 -m lssar train") == 9
     assert "--preset gpt2-124m-fineweb --attn=lssar --attn_p=15" in plan
+
+
+def test_environment_records_argv_relative_to_the_project(monkeypatch):
+    from lssar import runio
+
+    root = runio.PROJECT_ROOT
+    argv = [str(root / "lssar" / "__main__.py"), "eval", str(root / "runs" / "x"),
+            f"--out_dir={root / 'runs'}", "/elsewhere/run", "--lr=0.1"]  # fmt: skip
+    monkeypatch.setattr(runio.sys, "argv", argv)
+    env = runio.environment()
+    assert env["argv"] == [
+        "lssar/__main__.py", "eval", "runs/x", "--out_dir=runs", "/elsewhere/run", "--lr=0.1"
+    ]  # fmt: skip
+    assert len(env["git_sha"]) == 40 and isinstance(env["git_dirty"], bool)
