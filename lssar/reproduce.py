@@ -246,15 +246,16 @@ def _word(v: str) -> str:
 def _loss_table(losses, multiples, groups) -> list[str]:
     top = max(multiples)
     rows = [
-        "| attention | seeds | " + " | ".join(f"{m}x" for m in multiples) + f" | {top}x / 1x |",
+        "| attention | seeds x scored tokens | "
+        + " | ".join(f"{m}x" for m in multiples)
+        + f" | {top}x / 1x |",
         "|---" * (len(multiples) + 3) + "|",
     ]
+    first = next(iter(groups.values()))[0]
     for label, v in losses.items():
         cells = [_fmt(_iv(v[m])) for m in multiples]
-        rows.append(
-            f"| {label} | {len(v[1])} | " + " | ".join(cells) + f" | {_fmt(_ratio(v, top), 2)} |"
-        )
-    first = next(iter(groups.values()))[0]
+        n = f"{len(v[1])} x {first['tokens_per_length']}"
+        rows.append(f"| {label} | {n} | " + " | ".join(cells) + f" | {_fmt(_ratio(v, top), 2)} |")
     windows = " / ".join(str(first["windows_per_length"][str(m * first["train_len"])])
                          for m in multiples)  # fmt: skip
     return rows + [
