@@ -322,10 +322,12 @@ def _claims(losses, multiples) -> list[str]:
     for text, iv, (bounds, criterion, digits) in items:
         v = judge(iv, **bounds)
         out.append(f"- **{text}**: measured {_fmt(iv, digits)} -> **{v}** ({criterion}).")
-    if lssar and window and judge(_diff(lssar[top], window[top]), hi=0.0) != "supported":
+    v = judge(_diff(lssar[top], window[top]), hi=0.0) if lssar and window else "supported"
+    if v != "supported":
+        how = "better" if v == "contradicted" else "as well, within the intervals"
         out.append(
             "  So flat loss here does **not** show that LSSAR uses context beyond the training "
-            "length: attending to the last L tokens only does as well, within the intervals."
+            f"length: attending to the last L tokens only does {how}."
         )
     return out
 
