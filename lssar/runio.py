@@ -74,14 +74,30 @@ def project_relative(arg: str) -> str:
     return arg
 
 
-def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, Any]:
-    """Code version (git SHA, dirty flag), library versions, hardware and command line (paths
-    inside the project relative to it)."""
-    device = torch.device(device)
+# untracked files here can change results; elsewhere (new reports, notes) they cannot
+CODE_DIRS = ("lssar/", "configs/")
+
+
+def git_dirty() -> bool | None:
+    """Whether the checkout differs from its commit: any change to a tracked file, or an
+    untracked file under :data:`CODE_DIRS`. None outside a git checkout."""
     status = _git("status", "--porcelain")
+    if status is None:
+        return None
+    for line in status.splitlines():
+        path = line[3:].strip('"')
+        if not line.startswith("??") or path.startswith(CODE_DIRS):
+            return True
+    return False
+
+
+def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, Any]:
+    """Code version (git SHA, :func:`git_dirty`), library versions, hardware and command line
+    (paths inside the project relative to it)."""
+    device = torch.device(device)
     return {
         "git_sha": _git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
+        "git_dirty": git_dirty(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numpy": np.__version__,

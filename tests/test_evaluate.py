@@ -380,3 +380,23 @@ def test_environment_records_argv_relative_to_the_project(monkeypatch):
         "lssar/__main__.py", "eval", "runs/x", "--out_dir=runs", "/elsewhere/run", "--lr=0.1"
     ]  # fmt: skip
     assert len(env["git_sha"]) == 40 and isinstance(env["git_dirty"], bool)
+
+
+@pytest.mark.parametrize(
+    "status, dirty",
+    [
+        ("", False),
+        ("?? reports/quick-2026-12-02/", False),  # a new report does not change results
+        ("?? notes.txt\n?? runs-link", False),
+        (" M README.md", True),  # any tracked change
+        ("?? reports/x/\n M lssar/model.py", True),
+        ("?? lssar/ops/new_kernel.py", True),  # untracked code
+        ("?? configs/mine.toml", True),
+        (None, None),  # not a git checkout
+    ],
+)
+def test_git_dirty_counts_tracked_changes_and_untracked_code(monkeypatch, status, dirty):
+    from lssar import runio
+
+    monkeypatch.setattr(runio, "_git", lambda *a: status)
+    assert runio.git_dirty() is dirty
