@@ -98,7 +98,7 @@ PRESETS = {
         eval_tokens=32768,
         passkey=PASSKEY_CPU,
         passkey_arms=[SOFTMAX, LSSA, LSSAR15, AttentionSpec("softmax-qknorm-logn")],
-        budget="~90 min on 2 CPU cores",
+        budget="~100 min on 2 CPU cores",
     ),
     "paper": Preset(
         "GPT-2 124M on FineWeb 10B tokens at T=1024 (the paper's setting): a GPU cluster job",
