@@ -138,10 +138,8 @@ def plot_results(results: list[Result], out_dir: Path) -> list[Path]:
         first = next(iter(diag.values()))[0]["diagnostics"]
         xs = [int(t) / next(iter(diag.values()))[0]["train_len"] for t in first]
         for ax, key, what in zip(axes, ("entropy", "sink"), ("entropy (nats)", "mass on token 0")):
-            ax.plot(
-                xs, [d[f"uniform_{key}"] for d in first.values()], color="black", ls=(0, (4, 2)),
-                lw=1, label="uniform attention (causal)",
-            )  # fmt: skip
+            uniform = [d[f"uniform_{key}"] for d in first.values()]
+            ax.plot(xs, uniform, color="black", ls=(0, (4, 2)), lw=1, label="uniform attention")
             ax.set(xscale="log", xlabel="length / training length", ylabel=f"mean row {what}")
             ax.set_xticks(xs, [f"{x:g}x" for x in xs])
         axes[1].set_yscale("log")
@@ -162,8 +160,8 @@ def plot_results(results: list[Result], out_dir: Path) -> list[Path]:
             grid = np.array([[np.mean([a[t][d] for a in acc]) for d in depths] for t in rows])
             ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
             for (i, j), v in np.ndenumerate(grid):
-                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7,
-                        color="white" if v < 0.6 else "black")  # fmt: skip
+                ink = "white" if v < 0.6 else "black"
+                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color=ink)
             ax.set_xticks(range(len(depths)), depths)
             ax.set_yticks(range(len(rows)), [f"{int(t) // rs[0]['train_len']}x" for t in rows])
             learned = sum(r["passkey"]["reached"] for r in rs)

@@ -256,8 +256,8 @@ def _loss_table(losses, multiples, groups) -> list[str]:
         cells = [_fmt(_iv(v[m])) for m in multiples]
         n = f"{len(v[1])} x {first['tokens_per_length']}"
         rows.append(f"| {label} | {n} | " + " | ".join(cells) + f" | {_fmt(_ratio(v, top), 2)} |")
-    windows = " / ".join(str(first["windows_per_length"][str(m * first["train_len"])])
-                         for m in multiples)  # fmt: skip
+    per_length = first["windows_per_length"]
+    windows = " / ".join(str(per_length[str(m * first["train_len"])]) for m in multiples)
     return rows + [
         "",
         f"Each cell: mean ± the half-width of the 95% t-interval over the seeds (no interval "
@@ -443,8 +443,9 @@ def _passkey(groups, multiples, preset: Preset) -> list[str]:
             continue
         for m in multiples[1:]:
             v = verdict(a[m], soft[m], a[1], soft[1], floor=s.target, names=(label, "softmax"))
-            word = "inconclusive (not learned at the training length)" if (
-                v.label == "inconclusive") else v.label  # fmt: skip
+            word = v.label
+            if word == "inconclusive":
+                word += " (not learned at the training length)"
             lines.append(f"- {label} vs softmax at {m}x: **{word}** -- {v.detail}.")
     return lines + [""]
 
@@ -528,10 +529,12 @@ def write_report(
             + " | ".join(f"{vals[m]:.2f}" if m in vals else "-" for m in multiples)
             + " |"
         )
-    one_seed = "" if len(seeds) > 1 else (
-        " With one seed there is no interval, so no claim can be supported or contradicted: run "
-        "the `cpu` preset (3 seeds) for verdicts."
-    )  # fmt: skip
+    one_seed = (
+        ""
+        if len(seeds) > 1
+        else " With one seed there is no interval, so no claim can be supported or contradicted: "
+        "run the `cpu` preset (3 seeds) for verdicts."
+    )
     lines += [
         "",
         "## The paper's claims, judged from the intervals",

@@ -183,9 +183,16 @@ def test_passkey_probe_construction_and_scoring(runs):
     assert all(0.0 <= a <= 1.0 for row in acc.values() for a in row.values())
     # it stops at the first check that reaches the target (target 0: the first check)
     _, fit = evaluate.passkey_finetune(
-        model, tok, filler, 96, max_steps=50, target=0.0, check_every=2, batch_size=2,
+        model,
+        tok,
+        filler,
+        96,
+        max_steps=50,
+        target=0.0,
+        check_every=2,
+        batch_size=2,
         progress=False,
-    )  # fmt: skip
+    )
     assert fit == {"steps": 2, "check_accuracy": fit["check_accuracy"], "reached": True}
     x, starts = evaluate._passkey_batch(tok, filler, 96, 3, rng, digits=2)
     for row, a in zip(x, starts):
@@ -255,22 +262,28 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
     assert "evaluations at bbbbbbbbbb; this report at cccccccccc." in text
     assert '"argv": [\n  "lssar",\n  "reproduce"\n ]' in text  # its own invocation's environment
     # flat: 2.3 / 1.935 = 1.19 on every seed (same shift) -> tight interval above 1.10
-    assert "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 -> " \
-        "**contradicted**" in text  # fmt: skip
+    assert (
+        "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 -> "
+        "**contradicted**"
+    ) in text
     assert "16x / 1x**: measured 1.53 ± 0.01 -> **supported** (criterion >= 1.5)" in text
     assert "lssar p=15 - softmax**: measured -0.600 ± 0.000 -> **supported**" in text
     # 1.935 vs 1.9: +1.8% (inside +-2%)
     assert "lssar / softmax - 1**: measured 0.018 ± 0.000 -> **supported**" in text
-    assert "lssa -> lssar p=15 (eval only) - lssa at 16x**: measured -0.100 ± 1.491 -> " \
-        "**within noise**" in text  # fmt: skip
+    assert (
+        "lssa -> lssar p=15 (eval only) - lssa at 16x**: measured -0.100 ± 1.491 -> "
+        "**within noise**"
+    ) in text
     # LSSAR vs the strongest baseline: identical at 16x, an interval touching 0 is not "< 0"
     assert "lssar p=15 - softmax-qknorm-logn**: measured 0.000 ± 0.000 -> **within noise**" in text
     # the window control is better than LSSAR at 16x: contradicted, and the report says so
     assert (
         "lssar p=15 - sliding-window softmax**: measured 0.180 ± 0.000 -> **contradicted**" in text
     )
-    assert "does **not** show that LSSAR uses context beyond the training length: attending " \
-        "to the last L tokens only does better." in text  # fmt: skip
+    assert (
+        "does **not** show that LSSAR uses context beyond the training length: attending "
+        "to the last L tokens only does better."
+    ) in text
     assert (
         "| LSSAR vs the sliding-window control | lssar p=15 - softmax, sliding window 16 |" in text
     )
@@ -300,22 +313,28 @@ def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, c
     assert "Multiple seeds" not in text and "-> **supported**" not in text
     clean_env["git_dirty"] = True  # a clean run, reported from a dirty checkout
     text = _report(tmp_path, [results[1]], name="d", preset="quick")
-    assert "0 of 1 results were trained or evaluated in a dirty checkout, and this report was " \
-        "written from one." in text  # fmt: skip
+    assert (
+        "0 of 1 results were trained or evaluated in a dirty checkout, and this report was "
+        "written from one."
+    ) in text
 
 
 def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
     def with_passkey(r, acc1, acc_long, reached):
         acc = {"16": {"0.5": acc1}, "32": {"0.5": acc_long}}
-        return r | {"passkey": {"steps": 100, "check_accuracy": acc1, "reached": reached,
-                                "accuracy": acc}}  # fmt: skip
+        return r | {
+            "passkey": {"steps": 100, "check_accuracy": acc1, "reached": reached, "accuracy": acc}
+        }
 
     soft = [with_passkey(r, 1.0, 0.0, True) for r in _arm("softmax", "softmax", [2] * 5)]
-    good = [with_passkey(r, 1.0, 0.9 + 0.01 * i, True)
-            for i, r in enumerate(_arm("lssar p=15", "lssar p=15", [2] * 5))]  # fmt: skip
+    good = [
+        with_passkey(r, 1.0, 0.9 + 0.01 * i, True)
+        for i, r in enumerate(_arm("lssar p=15", "lssar p=15", [2] * 5))
+    ]
     bad = [with_passkey(r, 0.5, 0.4, False) for r in _arm("lssa", "lssa", [2] * 5)]
-    preset = reproduce.Preset("t", "tiny-cpu", [], multiples=[1, 2],
-                              passkey=evaluate.PasskeySettings())  # fmt: skip
+    preset = reproduce.Preset(
+        "t", "tiny-cpu", [], multiples=[1, 2], passkey=evaluate.PasskeySettings()
+    )
     out = reproduce.write_report("cpu", preset, soft + good + bad, tmp_path / "p", 1.0)
     text = (out / "REPORT.md").read_text()
     assert "| lssar p=15 | 100 | 3/3 | 100.0 ± 0.0% | 91.0 ± 2.5% |" in text
@@ -328,11 +347,16 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     """Train 2 arms x 2 seeds, evaluate with the window control, an eval-time p and passkey,
     write the report; a second invocation reuses every run and evaluation."""
     tiny = reproduce.Preset(
-        "tiny", "tiny-cpu", [reproduce.SOFTMAX, reproduce.LSSA], eval_reweight=[15.0],
-        seeds=[0, 1], multiples=[1, 2], eval_tokens=192,
+        "tiny",
+        "tiny-cpu",
+        [reproduce.SOFTMAX, reproduce.LSSA],
+        eval_reweight=[15.0],
+        seeds=[0, 1],
+        multiples=[1, 2],
+        eval_tokens=192,
         passkey=evaluate.PasskeySettings(max_steps=2, check_every=1, trials=1, digits=1),
         passkey_arms=[reproduce.SOFTMAX],
-    )  # fmt: skip
+    )
     monkeypatch.setitem(reproduce.PRESETS, "tiny", tiny)
     data_dir = load_run(runs["softmax"])[2]["data_dir"]
     shrink = [f"{k}={v}" for k, v in TINY.items() if k not in ("seq_len", "eval_tokens")]
@@ -372,13 +396,24 @@ def test_environment_records_argv_relative_to_the_project(monkeypatch):
     from lssar import runio
 
     root = runio.PROJECT_ROOT
-    argv = [str(root / "lssar" / "__main__.py"), "eval", str(root / "runs" / "x"),
-            f"--out_dir={root / 'runs'}", "/elsewhere/run", "--lr=0.1"]  # fmt: skip
+    argv = [
+        str(root / "lssar" / "__main__.py"),
+        "eval",
+        str(root / "runs" / "x"),
+        f"--out_dir={root / 'runs'}",
+        "/elsewhere/run",
+        "--lr=0.1",
+    ]
     monkeypatch.setattr(runio.sys, "argv", argv)
     env = runio.environment()
     assert env["argv"] == [
-        "lssar/__main__.py", "eval", "runs/x", "--out_dir=runs", "/elsewhere/run", "--lr=0.1"
-    ]  # fmt: skip
+        "lssar/__main__.py",
+        "eval",
+        "runs/x",
+        "--out_dir=runs",
+        "/elsewhere/run",
+        "--lr=0.1",
+    ]
     assert len(env["git_sha"]) == 40 and isinstance(env["git_dirty"], bool)
 
 
