@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lssar import data, evaluate, reproduce
+from lssar import data, evaluate, reproduce, reproduce_report
 from lssar.cli import main as cli_main
 from lssar.config import load_config
 from lssar.runs import load_run
@@ -236,12 +236,14 @@ def _arm(train, evaluated, losses, jitter=0.0, **kw):
 def clean_env(monkeypatch):
     """The report's own environment, as a clean checkout at commit ccc... would give it."""
     env = {"git_sha": "c" * 40, "git_dirty": False, "argv": ["lssar", "reproduce"]}
-    monkeypatch.setattr(reproduce, "environment", lambda: dict(env))
+    monkeypatch.setattr(reproduce_report, "environment", lambda: dict(env))
     return env
 
 
 def _report(tmp_path, results, name="r", preset="cpu"):
-    out = reproduce.write_report(preset, reproduce.PRESETS[preset], results, tmp_path / name, 1.0)
+    out = reproduce_report.write_report(
+        preset, reproduce.PRESETS[preset], results, tmp_path / name, 1.0
+    )
     return (out / "REPORT.md").read_text()
 
 
@@ -335,7 +337,7 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
     preset = reproduce.Preset(
         "t", "tiny-cpu", [], multiples=[1, 2], passkey=evaluate.PasskeySettings()
     )
-    out = reproduce.write_report("cpu", preset, soft + good + bad, tmp_path / "p", 1.0)
+    out = reproduce_report.write_report("cpu", preset, soft + good + bad, tmp_path / "p", 1.0)
     text = (out / "REPORT.md").read_text()
     assert "| lssar p=15 | 100 | 3/3 | 100.0 ± 0.0% | 91.0 ± 2.5% |" in text
     assert "- lssar p=15 vs softmax at 2x: **supported**" in text

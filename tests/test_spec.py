@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lssar import data, evaluate, reproduce
+from lssar import data, evaluate, reproduce, reproduce_report
 from lssar.cli import main as cli_main
 from lssar.config import TrainConfig, model_config
 from lssar.lm_eval_tasks import LssarLM
@@ -34,7 +34,7 @@ def test_labels_are_the_strings_reports_look_up():
     assert run_label("lssa", "lssar p=15") == run_label(lssa, lssar15)
     assert run_label(lssa, lssa) == run_label("lssa") == "lssa"
     # the claims of reproduce's report are found by these labels
-    assert {"softmax", "lssa", "lssar p=3", "lssar p=15"} <= set(reproduce.PAPER)
+    assert {"softmax", "lssa", "lssar p=3", "lssar p=15"} <= set(reproduce_report.PAPER)
     assert [a.label for a in reproduce.PRESETS["quick"].arms] == ["softmax", "lssa", "lssar p=15"]
 
 

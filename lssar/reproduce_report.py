@@ -1,0 +1,465 @@
+"""REPORT.md, results.json and plots of ``lssar reproduce``, generated from the evaluation results.
+
+The arms the paper compares and its numbers live here, beside the claims that are judged about
+them: every verdict comes from a 95% interval over seeds (:mod:`lssar.stats`), differences paired
+by seed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lssar.figures import group, plot_results
+from lssar.runio import atomic_write, environment
+from lssar.spec import AttentionSpec
+from lssar.stats import Interval, judge, mean_ci, paired_ci, verdict
+
+if TYPE_CHECKING:
+    from lssar.reproduce import Preset
+
+SOFTMAX, SIGMOID, RELU = AttentionSpec("softmax"), AttentionSpec("sigmoid"), AttentionSpec("relu")
+SOFTPLUS_L1, LSSA = AttentionSpec("softplus-l1"), AttentionSpec("lssa")
+LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p": 15.0})
+QKNORM, SSMAX = AttentionSpec("softmax-qknorm-logn"), AttentionSpec("ssmax")
+# the arms the paper compares (METHOD.md section 6)
+ALL_ARMS = [SOFTMAX, SIGMOID, RELU, SOFTPLUS_L1, LSSA, LSSAR3, LSSAR15, QKNORM, SSMAX]
+
+# The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; METHOD.md section 7),
+# keyed by evaluation length / training length.
+PAPER = {
+    arm.label: loss
+    for arm, loss in (
+        (SOFTMAX, {1: 3.19, 2: 4.17, 4: 5.45, 8: 6.28, 16: 7.02}),
+        (SIGMOID, {1: 3.19, 2: 7.46, 4: 11.84, 8: 14.50}),
+        (RELU, {1: 3.21, 2: 6.27, 4: 8.50, 8: 10.35}),
+        (LSSA, {1: 3.19, 2: 4.13, 4: 5.30, 8: 5.94}),
+        (LSSAR3, {1: 3.18, 2: 4.24, 4: 5.41, 8: 6.30}),
+        (LSSAR15, {1: 3.19, 2: 3.19, 4: 3.23, 8: 3.32, 16: 3.32}),
+    )
+}
+
+Seeds = dict[int, float]  # seed -> value
+WINDOW = "softmax, sliding window"  # label prefix of the window control (label_of adds the size)
+
+
+def _find(groups: dict[str, Any], prefix: str) -> str | None:
+    return next((k for k in groups if k.startswith(prefix)), None)
+
+
+def _losses(groups, multiples) -> dict[str, dict[int, Seeds]]:
+    """label -> multiple -> seed -> validation loss."""
+    return {
+        label: {
+            m: {r["config"]["seed"]: r["loss"][str(m * r["train_len"])] for r in rs}
+            for m in multiples
+        }
+        for label, rs in groups.items()
+    }
+
+
+def _iv(values: Seeds) -> Interval:
+    return mean_ci([values[k] for k in sorted(values)])
+
+
+def _diff(a: Seeds, b: Seeds, relative: bool = False) -> Interval:
+    """a - b (or a / b - 1) paired by seed, over the seeds both have."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ValueError("no common seed to pair")
+    if relative:
+        return mean_ci([a[s] / b[s] - 1 for s in seeds])
+    return paired_ci([a[s] for s in seeds], [b[s] for s in seeds])
+
+
+def _ratio(v: dict[int, Seeds], top: int) -> Interval:
+    return mean_ci([v[top][s] / v[1][s] for s in sorted(v[1])])
+
+
+def _fmt(iv: Interval, digits: int = 3, sign: bool = False) -> str:
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
+    return f.format(iv.mean) if iv.lo is None else f"{f.format(iv.mean)} ± {iv.half:.{digits}f}"
+
+
+def _word(v: str) -> str:
+    """Verdict of "a - b < 0" as a table word."""
+    return {"supported": "lower", "contradicted": "higher"}.get(v, v)
+
+
+def _loss_table(losses, multiples, groups) -> list[str]:
+    top = max(multiples)
+    rows = [
+        "| attention | seeds x scored tokens | "
+        + " | ".join(f"{m}x" for m in multiples)
+        + f" | {top}x / 1x |",
+        "|---" * (len(multiples) + 3) + "|",
+    ]
+    first = next(iter(groups.values()))[0]
+    for label, v in losses.items():
+        cells = [_fmt(_iv(v[m])) for m in multiples]
+        n = f"{len(v[1])} x {first['tokens_per_length']}"
+        rows.append(f"| {label} | {n} | " + " | ".join(cells) + f" | {_fmt(_ratio(v, top), 2)} |")
+    per_length = first["windows_per_length"]
+    windows = " / ".join(str(per_length[str(m * first["train_len"])]) for m in multiples)
+    return rows + [
+        "",
+        f"Each cell: mean ± the half-width of the 95% t-interval over the seeds (no interval "
+        f"with one seed). Scored tokens per length and seed: {first['tokens_per_length']}, in "
+        f"{windows} windows at {' / '.join(f'{m}x' for m in multiples)}, spread evenly over "
+        "the whole validation split.",
+    ]
+
+
+def _claims(losses, multiples) -> list[str]:
+    """The paper's claims, each judged from its 95% interval over seeds (:func:`judge`)."""
+    top = max(multiples)
+    soft, lssa = losses.get(SOFTMAX.label), losses.get(LSSA.label)
+    lssar, qk = losses.get(LSSAR15.label), losses.get(QKNORM.label)
+    window = losses.get(_find(losses, WINDOW) or "")
+    below = ({"hi": 0.0}, "criterion < 0", 3)
+    items: list[tuple[str, Interval, tuple[dict[str, float], str, int]]] = []
+    if lssar:
+        text = f"LSSAR (p=15) loss stays nearly flat to {top}x (paper x1.04): {top}x / 1x"
+        items.append((text, _ratio(lssar, top), ({"hi": 1.10}, "criterion <= 1.10", 2)))
+    if soft:
+        text = (
+            f"Softmax+RoPE degrades sharply beyond the training length (paper x2.20): {top}x / 1x"
+        )
+        items.append((text, _ratio(soft, top), ({"lo": 1.5}, "criterion >= 1.5", 2)))
+    if soft and lssar:
+        text = f"LSSAR beats softmax at {top}x: lssar p=15 - softmax"
+        items.append((text, _diff(lssar[top], soft[top]), below))
+        text = (
+            "LSSAR matches softmax at the training length (paper 3.19 vs 3.19): lssar / softmax - 1"
+        )
+        rel = _diff(lssar[1], soft[1], relative=True)
+        items.append((text, rel, ({"lo": -0.02, "hi": 0.02}, "criterion within ±0.02", 3)))
+    if soft and lssa:
+        text = (
+            "LSSA alone beats softmax beyond the training length (paper 5.94 vs 6.28 at 8x): "
+            f"lssa - softmax at {top}x"
+        )
+        items.append((text, _diff(lssa[top], soft[top]), below))
+    if lssa and lssar:
+        text = (
+            f"Re-weighting (stage 2) is what makes lengths extrapolate: lssar p=15 - lssa at {top}x"
+        )
+        items.append((text, _diff(lssar[top], lssa[top]), below))
+    for label, v in losses.items():
+        if label.startswith("lssa -> ") and lssa:
+            text = f"Fine-tuning-free re-weighting improves long contexts: {label} - lssa at {top}x"
+            items.append((text, _diff(v[top], lssa[top]), below))
+    if lssar and qk:
+        text = (
+            f"LSSAR beats the strongest baseline (softmax with LSSA's length scale) at {top}x: "
+            "lssar p=15 - softmax-qknorm-logn"
+        )
+        items.append((text, _diff(lssar[top], qk[top]), below))
+    if lssar and window:
+        text = (
+            f"LSSAR at {top}x does better than a model that sees only the last L tokens: "
+            "lssar p=15 - sliding-window softmax"
+        )
+        items.append((text, _diff(lssar[top], window[top]), below))
+    out = []
+    for text, iv, (bounds, criterion, digits) in items:
+        v = judge(iv, **bounds)
+        out.append(f"- **{text}**: measured {_fmt(iv, digits)} -> **{v}** ({criterion}).")
+    v = judge(_diff(lssar[top], window[top]), hi=0.0) if lssar and window else "supported"
+    if v != "supported":
+        how = "better" if v == "contradicted" else "as well, within the intervals"
+        out.append(
+            "  So flat loss here does **not** show that LSSAR uses context beyond the training "
+            f"length: attending to the last L tokens only does {how}."
+        )
+    return out
+
+
+# (question, a, b): the rows of the decomposition, "a - b" at every length
+DECOMPOSITION = [
+    ("length scale alone (softmax with the same scale as LSSA)", QKNORM.label, SOFTMAX.label),
+    ("Softplus-l1 instead of softmax, no length scale", SOFTPLUS_L1.label, SOFTMAX.label),
+    ("Softplus-l1 instead of softmax, given the length scale", LSSA.label, QKNORM.label),
+    ("re-weighting p=15 on LSSA (trained)", LSSAR15.label, LSSA.label),
+    ("re-weighting p=3 on LSSA (trained)", LSSAR3.label, LSSA.label),
+    ("LSSAR vs the strongest baseline", LSSAR15.label, QKNORM.label),
+    ("LSSAR vs the sliding-window control", LSSAR15.label, WINDOW),
+]
+
+
+def _diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="question") -> list[str]:
+    out = [
+        f"| {head} | a - b | " + " | ".join(f"{m}x" for m in multiples) + " |",
+        "|---" * (len(multiples) + 2) + "|",
+    ]
+    for question, a, b in rows:
+        a, b = _find(losses, a) if a == WINDOW else a, _find(losses, b) if b == WINDOW else b
+        if a not in losses or b not in losses:
+            continue
+        cells = []
+        for m in multiples:
+            iv = _diff(losses[a][m], losses[b][m])
+            cells.append(f"{_fmt(iv, 3, sign=True)} {_word(judge(iv, hi=0.0))}")
+        out.append(f"| {question} | {a} - {b} | " + " | ".join(cells) + " |")
+    return out + [
+        "",
+        "Each cell: the loss difference a - b paired by seed, mean ± the 95% t-interval's "
+        "half-width; **lower** / **higher** when the interval excludes 0 (a is better / worse), "
+        "else *within noise*.",
+    ]
+
+
+def _every_arm(losses, multiples, against: str) -> list[str]:
+    rows = [(label, label, against) for label in losses if label != against]
+    return _diff_table(losses, multiples, rows, head="arm")
+
+
+def _diagnostics(groups, multiples) -> list[str]:
+    top = max(multiples)
+    lines = [
+        "| attention | windows | entropy 1x [uniform] | entropy "
+        f"{top}x [uniform] | first-token mass 1x [uniform] | first-token mass {top}x [uniform] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, rs in groups.items():
+        if not all("diagnostics" in r for r in rs):
+            continue
+        cells = []
+        for key, digits in (("entropy", 2), ("sink", 4)):
+            for m in (1, top):
+                ds = [r["diagnostics"][str(m * r["train_len"])] for r in rs]
+                iv = mean_ci([float(np.mean(d[key])) for d in ds])
+                cells.append(f"{_fmt(iv, digits)} [{ds[0][f'uniform_{key}']:.{digits}f}]")
+        n = rs[0]["diagnostics"][str(rs[0]["train_len"])]["windows"]
+        lines.append(f"| {label} | {n} x {len(rs)} | " + " | ".join(cells) + " |")
+    return lines + [
+        "",
+        "Mean row entropy (nats) and mean attention mass on the window's first token, averaged "
+        "over layers, heads, rows and the windows (spread over the split), ± the 95% interval "
+        "over seeds. In brackets: the same for uniform attention over the visible keys (ln N_i, "
+        "1/N_i). A first-token mass above the uniform one is an attention sink.",
+    ]
+
+
+def _passkey(groups, multiples, preset: Preset) -> list[str]:
+    pk = {label: rs for label, rs in groups.items() if all("passkey" in r for r in rs)}
+    if not pk:
+        return []
+    s = preset.passkey
+    lines = [
+        "## Passkey retrieval",
+        "",
+        f"A {s.digits}-digit key (chance {10.0**-s.digits:.0%}) in real text at depth 10% / 50% / "
+        "90% of the context, greedy exact match, "
+        f"{s.trials} probes per (length, depth) per seed. Each model is first fine-tuned on "
+        f"probes at the training length (batch {s.batch_size}, lr {s.lr:g}) until it retrieves "
+        f"{s.target:.0%} of training-text probes, at most {s.max_steps} steps; an arm below "
+        f"{s.target:.0%} at 1x on the test probes is *inconclusive* (not learned at the "
+        "training length), not a result.",
+        "",
+        "| attention | fine-tune steps | learned (seeds) | "
+        + " | ".join(f"{m}x" for m in multiples)
+        + " |",
+        "|---" * (len(multiples) + 3) + "|",
+    ]
+    acc: dict[str, dict[int, list[float]]] = {}
+    for label, rs in pk.items():
+        acc[label] = {
+            m: [
+                float(np.mean(list(r["passkey"]["accuracy"][str(m * r["train_len"])].values())))
+                for r in sorted(rs, key=lambda r: r["config"]["seed"])
+            ]
+            for m in multiples
+        }
+        steps = np.mean([r["passkey"]["steps"] for r in rs])
+        learned = sum(r["passkey"]["reached"] for r in rs)
+        cells = [mean_ci(acc[label][m]).fmt() + "%" for m in multiples]
+        lines.append(f"| {label} | {steps:.0f} | {learned}/{len(rs)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Paper: softmax 64% / 0% / 0% vs LSSAR p=15 86% / 45% / 20% at 1x / 1.5x / 4x.",
+        "",
+    ]
+    soft = acc.get(SOFTMAX.label)
+    for label, a in acc.items():
+        if label == SOFTMAX.label or soft is None:
+            continue
+        for m in multiples[1:]:
+            v = verdict(a[m], soft[m], a[1], soft[1], floor=s.target, names=(label, "softmax"))
+            word = v.label
+            if word == "inconclusive":
+                word += " (not learned at the training length)"
+            lines.append(f"- {label} vs softmax at {m}x: **{word}** -- {v.detail}.")
+    return lines + [""]
+
+
+def _provenance(results: list[dict[str, Any]], env: dict[str, Any]) -> tuple[str, list[str]]:
+    """(the report's first line on where its numbers come from, the table of every result)."""
+    train_shas = sorted({str(r["env"].get("git_sha")) for r in results})
+    eval_shas = sorted({str(r.get("eval_env", {}).get("git_sha")) for r in results})
+    dirty = [
+        r for r in results if r["env"].get("git_dirty") or r.get("eval_env", {}).get("git_dirty")
+    ]
+    n_runs = len({r["run"] for r in results})
+    short = lambda shas: ", ".join(x[:10] for x in shas)  # noqa: E731
+    if dirty or env.get("git_dirty"):
+        head = (
+            f"**Built from uncommitted code**: {len(dirty)} of {len(results)} results were "
+            "trained or evaluated in a dirty checkout"
+            + (", and this report was written from one." if env.get("git_dirty") else ".")
+        )
+    else:
+        head = "Built from committed code."
+    head += (
+        f" Training runs at commit {short(train_shas)} ({n_runs} runs); evaluations at "
+        f"{short(eval_shas)}; this report at {str(env.get('git_sha'))[:10]}."
+    )
+    rows = [
+        "| result | trained at | evaluated at | evaluation code |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        t, e = r["env"], r.get("eval_env", {})
+        mark = lambda x: str(x.get("git_sha"))[:10] + (" (dirty)" if x.get("git_dirty") else "")  # noqa: E731
+        rows.append(
+            f"| `{Path(r['run']).name}/eval/{r.get('tag', '?')}` | {mark(t)} | {mark(e)} | "
+            f"{r.get('eval_version', '?')} |"
+        )
+    return head, rows
+
+
+def write_report(
+    preset_name: str, preset: Preset, results: list[dict[str, Any]], out: Path, seconds: float
+) -> Path:
+    """REPORT.md, results.json and plots in ``out``, generated from the evaluation results."""
+    groups = group(results)
+    multiples = preset.multiples
+    losses = _losses(groups, multiples)
+    first = results[0]
+    train_len = first["train_len"]
+    cfg = first.get("config") or {}
+    env = environment()
+    head, prov_rows = _provenance(results, env)
+    seeds = sorted({r["config"]["seed"] for r in results})
+    lines = [
+        f"# lssar reproduce --preset {preset_name}",
+        "",
+        head,
+        "",
+        f"{preset.description}. Generated by `lssar reproduce --preset {preset_name}` from the run "
+        f"directories under `{Path(first['run']).parent}` on {dt.date.today().isoformat()} "
+        f"({seconds / 60:.1f} min for this invocation; finished runs and evaluations are reused).",
+        "",
+        f"Setting: training length {train_len} tokens, {cfg.get('n_layer', '?')} layers, "
+        f"{cfg.get('n_embd', '?')} wide, tokenizer `{cfg.get('tokenizer', '?')}`, corpus "
+        f"`{cfg.get('corpus', '?')}`, {cfg.get('max_steps', '?')} steps, seeds {seeds}. "
+        f"The sliding-window control is the softmax model evaluated with every query limited to "
+        f"its last {train_len} keys (at the training length that is the causal mask, so it "
+        "trains exactly as softmax).",
+        "",
+        "## Validation loss by evaluation length",
+        "",
+        *_loss_table(losses, multiples, groups),
+        "",
+        "## The paper (GPT-2 124M, FineWeb 10B, trained at 1024; METHOD.md section 7)",
+        "",
+        "| attention | " + " | ".join(f"{m}x" for m in multiples) + " |",
+        "|---" * (len(multiples) + 1) + "|",
+    ]
+    for label, vals in PAPER.items():
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{vals[m]:.2f}" if m in vals else "-" for m in multiples)
+            + " |"
+        )
+    one_seed = (
+        ""
+        if len(seeds) > 1
+        else " With one seed there is no interval, so no claim can be supported or contradicted: "
+        "run the `cpu` preset (3 seeds) for verdicts."
+    )
+    lines += [
+        "",
+        "## The paper's claims, judged from the intervals",
+        "",
+        f"At this scale ({cfg.get('n_layer', '?')}-layer, {cfg.get('n_embd', '?')}-wide "
+        f"model, {train_len}-token training windows), not at the paper's. A claim is "
+        "*supported* when the 95% interval over seeds (paired by seed for differences) lies "
+        "wholly on its side of the criterion, *contradicted* when it lies wholly on the other "
+        f"side, else *within noise*.{one_seed}",
+        "",
+        *_claims(losses, multiples),
+        "",
+        "## What each ingredient does (a - b, paired by seed)",
+        "",
+        *_diff_table(losses, multiples, DECOMPOSITION),
+        "",
+        "## Every arm against softmax",
+        "",
+        *_every_arm(losses, multiples, SOFTMAX.label),
+        "",
+    ]
+    if LSSAR15.label in losses:
+        lines += [
+            "## Every arm against LSSAR p=15",
+            "",
+            *_every_arm(losses, multiples, LSSAR15.label),
+            "",
+        ]
+    if any("diagnostics" in r for r in results):
+        lines += ["## Attention diagnostics", "", *_diagnostics(groups, multiples), ""]
+    health = {k: rs for k, rs in groups.items() if all("numerical_health" in r for r in rs)}
+    if health:
+        lines += [
+            f"## Numerical health at {max(multiples)}x (worst over seeds)",
+            "",
+            "| attention | bf16 non-finite | bf16 loss error | fp16 non-finite | fp16 loss error |",
+            "|---|---|---|---|---|",
+        ]
+        for label, rs in health.items():
+            h = [r["numerical_health"] for r in rs]
+            cells = [
+                f"{max(x[k]['nonfinite_logits'] for x in h)} | "
+                f"{max(x[k]['abs_error_vs_fp64'] for x in h):.1e}"
+                for k in ("bf16", "fp16")
+            ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += _passkey(groups, multiples, preset)
+    lines += [
+        "## Plots",
+        "",
+        "![loss vs length](loss_vs_length.png)",
+        "![loss by position](loss_by_position.png)",
+        "![entropy and first-token mass](entropy_sink_vs_length.png)",
+    ]
+    if any("passkey" in r for r in results):
+        lines.append("![passkey](passkey.png)")
+    lines += [
+        "",
+        "## Provenance",
+        "",
+        *prov_rows,
+        "",
+        "This invocation's environment:",
+        "",
+        "```",
+        json.dumps(env, indent=1),
+        "```",
+        "",
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    plot_results(results, out)
+    summary = {
+        label: {str(m): _iv(v[m]).__dict__ for m in multiples} for label, v in losses.items()
+    }
+    atomic_write(
+        out / "results.json",
+        json.dumps({"preset": preset_name, "results": results, "summary": summary}, indent=1),
+    )
+    atomic_write(out / "REPORT.md", "\n".join(lines))
+    return out
