@@ -267,35 +267,47 @@ def _passkey_batch(tok, filler, length, n, rng, depth=None, digits=5):
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 
 
+@dataclasses.dataclass(frozen=True)
+class PasskeySettings:
+    """How passkey is trained and scored: fine-tuning at the training length until ``target``
+    accuracy (at most ``max_steps``), then ``trials`` probes per (length, depth); keys of
+    ``digits`` digits."""
+
+    max_steps: int = 300
+    target: float = 0.9
+    check_every: int = 100
+    lr: float = 1e-3
+    batch_size: int = 16
+    digits: int = 5
+    trials: int = 10
+
+
 def passkey_finetune(
     model: GPT,
     tok,
     filler: np.ndarray,
     length: int,
-    max_steps: int,
-    target: float = 0.9,
-    check_every: int = 100,
+    settings: PasskeySettings = PasskeySettings(),
     check_trials: int = 16,
-    batch_size: int = 16,
-    lr: float = 1e-3,
-    digits: int = 5,
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[GPT, dict[str, Any]]:
     """Fine-tune a copy of ``model`` on passkey probes at ``length`` until it retrieves the key.
 
-    The loss is on the answer tokens only; keys (``digits`` digits) and depths are random. Every
-    ``check_every`` steps, greedy accuracy on fresh probes from ``filler`` (the training text,
-    never the test text) at ``PASSKEY_DEPTHS``; it stops at ``target`` or after ``max_steps``.
-    Returns the tuned model and ``{"steps", "check_accuracy", "reached"}``.
+    The loss is on the answer tokens only; keys (``settings.digits`` digits) and depths are
+    random. Every ``settings.check_every`` steps, greedy accuracy on ``check_trials`` fresh probes
+    per depth from ``filler`` (the training text, never the test text) at ``PASSKEY_DEPTHS``; it
+    stops at ``settings.target`` or after ``settings.max_steps``. Returns the tuned model and
+    ``{"steps", "check_accuracy", "reached"}``.
     """
+    max_steps, target, digits = settings.max_steps, settings.target, settings.digits
     model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     rng = np.random.default_rng(seed)
     acc, step = 0.0, 0
     bar = tqdm(total=max_steps, desc="passkey fine-tune", disable=not progress, leave=False)
     while step < max_steps:
-        x, starts = _passkey_batch(tok, filler, length, batch_size, rng, digits=digits)
+        x, starts = _passkey_batch(tok, filler, length, settings.batch_size, rng, digits=digits)
         logits, _ = model(x[:, :-1])
         mask = torch.zeros_like(x[:, 1:], dtype=torch.bool)
         for i, a in enumerate(starts):
@@ -307,12 +319,12 @@ def passkey_finetune(
         opt.step()
         step += 1
         bar.update()
-        if step % check_every == 0 or step == max_steps:
+        if step % settings.check_every == 0 or step == max_steps:
             model.eval()
+            depths = list(PASSKEY_DEPTHS)
             grid = passkey_accuracy(
-                model, tok, filler, [length], list(PASSKEY_DEPTHS), check_trials, seed + step,
-                digits=digits,
-            )  # fmt: skip
+                model, tok, filler, [length], depths, check_trials, seed + step, digits=digits
+            )
             acc = float(np.mean(list(grid[str(length)].values())))
             model.train()
             bar.set_postfix(acc=f"{acc:.0%}")
@@ -353,21 +365,6 @@ def passkey_accuracy(
 
 
 # ------------------------------------------------------------------------------ run-level
-
-
-@dataclasses.dataclass(frozen=True)
-class PasskeySettings:
-    """How passkey is trained and scored: fine-tuning at the training length until ``target``
-    accuracy (at most ``max_steps``), then ``trials`` probes per (length, depth); keys of
-    ``digits`` digits."""
-
-    max_steps: int = 300
-    target: float = 0.9
-    check_every: int = 100
-    lr: float = 1e-3
-    batch_size: int = 16
-    digits: int = 5
-    trials: int = 10
 
 
 def evaluate_run(
@@ -454,18 +451,7 @@ def evaluate_run(
         tok = get_tokenizer(cfg.tokenizer, corpus_dir=meta["data_dir"])
         train_tokens = load_split(meta["data_dir"], "train")
         tuned, fit = passkey_finetune(
-            model,
-            tok,
-            train_tokens,
-            train_len,
-            passkey.max_steps,
-            target=passkey.target,
-            check_every=passkey.check_every,
-            batch_size=passkey.batch_size,
-            lr=passkey.lr,
-            digits=passkey.digits,
-            seed=cfg.seed,
-            progress=progress,
+            model, tok, train_tokens, train_len, passkey, seed=cfg.seed, progress=progress
         )
         result["passkey"] = {
             **fit,
@@ -478,7 +464,7 @@ def evaluate_run(
                 passkey.trials,
                 digits=passkey.digits,
                 window=window,
-            ),  # fmt: skip
+            ),
         }
     atomic_write(out_dir / "results.md", results_markdown(result))
     plot_results([result], out_dir)
@@ -556,10 +542,8 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, default=65536, help="validation tokens per length")
     ap.add_argument("--passkey", action="store_true", help="also fine-tune and test passkey")
     dflt = PasskeySettings()
-    ap.add_argument(
-        "--passkey-steps", type=int, default=dflt.max_steps,
-        help="most fine-tuning steps (it stops once it reaches --passkey-target)",
-    )  # fmt: skip
+    most = "most fine-tuning steps (it stops once it reaches --passkey-target)"
+    ap.add_argument("--passkey-steps", type=int, default=dflt.max_steps, help=most)
     ap.add_argument("--passkey-target", type=float, default=dflt.target)
     ap.add_argument("--passkey-digits", type=int, default=dflt.digits)
     ap.add_argument("--no-diagnostics", action="store_true")

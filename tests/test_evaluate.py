@@ -174,25 +174,15 @@ def test_passkey_probe_construction_and_scoring(runs):
     assert len(ids) == 200 and text.endswith(evaluate.QUESTION + "48213")
     assert "The pass key is 48213." in text and tok.decode(ids[answer:]) == "48213"
     model, _, _ = load_run(runs["softmax"])
-    tuned, fit = evaluate.passkey_finetune(
-        model, tok, filler, 96, max_steps=3, check_every=2, batch_size=2, progress=False
-    )
+    few = evaluate.PasskeySettings(max_steps=3, check_every=2, batch_size=2)
+    tuned, fit = evaluate.passkey_finetune(model, tok, filler, 96, few, progress=False)
     assert fit["steps"] == 3 and fit["reached"] == (fit["check_accuracy"] >= 0.9)
     acc = evaluate.passkey_accuracy(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2)
     assert set(acc) == {"96", "192"} and set(acc["96"]) == {"0.1", "0.9"}
     assert all(0.0 <= a <= 1.0 for row in acc.values() for a in row.values())
     # it stops at the first check that reaches the target (target 0: the first check)
-    _, fit = evaluate.passkey_finetune(
-        model,
-        tok,
-        filler,
-        96,
-        max_steps=50,
-        target=0.0,
-        check_every=2,
-        batch_size=2,
-        progress=False,
-    )
+    first_check = evaluate.PasskeySettings(max_steps=50, target=0.0, check_every=2, batch_size=2)
+    _, fit = evaluate.passkey_finetune(model, tok, filler, 96, first_check, progress=False)
     assert fit == {"steps": 2, "check_accuracy": fit["check_accuracy"], "reached": True}
     x, starts = evaluate._passkey_batch(tok, filler, 96, 3, rng, digits=2)
     for row, a in zip(x, starts):
