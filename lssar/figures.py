@@ -135,8 +135,9 @@ def plot_results(results: list[Result], out_dir: Path) -> list[Path]:
             for ax, key in zip(axes, ("entropy", "sink")):
                 vals = [[float(np.mean(r["diagnostics"][t][key])) for t in lengths] for r in rs]
                 _band(ax, xs, vals, label)
-        first = next(iter(diag.values()))[0]["diagnostics"]
-        xs = [int(t) / next(iter(diag.values()))[0]["train_len"] for t in first]
+        r0 = next(iter(diag.values()))[0]
+        first = r0["diagnostics"]
+        xs = [int(t) / r0["train_len"] for t in first]
         for ax, key, what in zip(axes, ("entropy", "sink"), ("entropy (nats)", "mass on token 0")):
             uniform = [d[f"uniform_{key}"] for d in first.values()]
             ax.plot(xs, uniform, color="black", ls=(0, (4, 2)), lw=1, label="uniform attention")
