@@ -2,11 +2,14 @@
 
 For each (variant, impl, T, dtype): forward time, forward+backward time and peak extra memory
 (resident set growth, Linux ``VmHWM`` reset per measurement), with the ratio to SDPA softmax
-measured in the same run. Prints a Markdown table and the machine, threads and torch version.
+measured in the same run; the cases are interleaved round by round, so a slow spell of a shared
+machine hits them alike. A last row times the GEMMs alone (the floor of any fused causal kernel).
+Prints a Markdown table and the machine, threads and torch version.
 
     python benchmarks/attention.py                 # full grid: T = 1K..16K, fp32 and bf16
     python benchmarks/attention.py --quick         # T = 1K, 2K, fp32 (a minute)
     python benchmarks/attention.py --lengths 4096 --dtypes fp32 --out table.md
+    python benchmarks/attention.py --threads 1     # one core: steadier ratios on a busy VM
 
 The materialised reference is skipped where its T x T buffers would not fit (``--ref-max-t``).
 """
@@ -27,7 +30,7 @@ import torch
 
 import lssar
 
-CASES = [  # (label, variant, impl)
+CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax (SDPA)", "softmax", "sdpa"),
     ("lssa cpu (fused C++)", "lssa", "cpu"),
     ("lssar p=15 cpu (fused C++)", "lssar", "cpu"),
@@ -36,6 +39,7 @@ CASES = [  # (label, variant, impl)
     ("lssa reference", "lssa", "reference"),
     ("lssar p=15 reference", "lssar", "reference"),
     ("softmax-qknorm-logn (SDPA)", "softmax-qknorm-logn", "sdpa"),
+    ("QK^T and PV GEMMs only (floor)", None, "gemm"),
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -60,39 +64,74 @@ def _reset_peak() -> int:
     return _rss_kib("VmRSS:")
 
 
-def measure(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak extra MiB) of ``fn()`` after one warm-up call."""
-    fn()
-    times = []
+def peak_mib(fn) -> float:
+    """Peak extra resident memory (MiB) of one call of ``fn()``."""
     base = _reset_peak()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    peak = (_rss_kib("VmHWM:") - base) / 1024
-    return statistics.median(times), max(peak, 0.0)
+    fn()
+    return max((_rss_kib("VmHWM:") - base) / 1024, 0.0)
 
 
-def run_case(
-    variant: str, impl: str, t: int, dtype: torch.dtype, repeats: int, b: int, h: int, d: int
-) -> dict:
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def gemm_floor(q, k, v, rows: int = 256) -> None:
+    """The GEMMs alone (QK^T, then the product with V) over causal blocks of query rows: the
+    arithmetic every fused causal kernel does, with nothing elementwise."""
+    t = q.shape[-2]
+    for i0 in range(0, t, rows):
+        i1 = min(t, i0 + rows)
+        (q[..., i0:i1, :] @ k[..., :i1, :].transpose(-1, -2)) @ v[..., :i1, :]
+
+
+def case_fns(variant: str, impl: str, q, k, v):
+    """(forward, forward+backward) callables for one case on shared inputs."""
+    if impl == "gemm":
+        return (lambda: gemm_floor(q, k, v)), None
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
     def fwd():
         with torch.no_grad():
             lssar.attention(q, k, v, is_causal=True, variant=variant, impl=impl)
-
-    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
     def fwd_bwd():
         out = lssar.attention(qg, kg, vg, is_causal=True, variant=variant, impl=impl)
         out.backward(torch.ones_like(out))
         qg.grad = kg.grad = vg.grad = None
 
-    tf, mf = measure(fwd, repeats)
-    tb, mb = measure(fwd_bwd, repeats)
-    return {"fwd_s": tf, "fwd_mib": mf, "fwdbwd_s": tb, "fwdbwd_mib": mb}
+    return fwd, fwd_bwd
+
+
+def run_length(cases, t: int, dtype: torch.dtype, args) -> dict[str, dict]:
+    """Every case at one length and dtype: one warm-up call each, then ``repeats`` rounds in
+    which every case runs once (so a slow spell of the machine hits every case alike); the
+    median per case, and the peak memory of one more call."""
+    g = torch.Generator().manual_seed(0)
+    shape = (args.batch, args.heads, t, args.head_dim)
+    q, k, v = (torch.randn(*shape, generator=g).to(dtype) for _ in range(3))
+    fns = {label: case_fns(variant, impl, q, k, v) for label, variant, impl in cases}
+    times: dict[str, tuple[list, list]] = {label: ([], []) for label in fns}
+    for fwd, bwd in fns.values():
+        fwd()
+        if bwd:
+            bwd()
+    for _ in range(args.repeats):
+        for label, (fwd, bwd) in fns.items():
+            times[label][0].append(seconds(fwd))
+            if bwd:
+                times[label][1].append(seconds(bwd))
+    out = {}
+    for label, (fwd, bwd) in fns.items():
+        tf, tb = times[label]
+        out[label] = {
+            "fwd_s": statistics.median(tf),
+            "fwd_mib": peak_mib(fwd),
+            "fwdbwd_s": statistics.median(tb) if tb else None,
+            "fwdbwd_mib": peak_mib(bwd) if bwd else None,
+        }
+    return out
 
 
 def machine() -> str:
@@ -123,15 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.lengths, args.dtypes, args.repeats = [1024, 2048], ["fp32"], 2
 
     header = (
         f"B={args.batch} H={args.heads} D={args.head_dim}, causal. Times are medians of "
-        f"{args.repeats}; memory = peak resident growth; ratio = time / SDPA softmax time "
-        "in the same run and dtype.\n\nMachine: " + machine()
+        f"{args.repeats} rounds, every case once per round; memory = peak resident growth of "
+        "one call; ratio = time / SDPA softmax time in the same run and dtype. The GEMM floor "
+        "times QK^T and PV alone over causal 256-row blocks.\n\nMachine: " + machine()
     )
     rows = [
         "| dtype | T | attention | fwd ms | fwd x SDPA | fwd+bwd ms | fwd+bwd x SDPA | "
@@ -141,26 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     for dname in args.dtypes:
         for t in args.lengths:
-            base = None
-            for label, variant, impl in CASES:
-                if impl == "reference" and t > args.ref_max_t:
-                    continue
-                r = run_case(
-                    variant,
-                    impl,
-                    t,
-                    DTYPES[dname],
-                    args.repeats,
-                    args.batch,
-                    args.heads,
-                    args.head_dim,
-                )
-                base = base or r
+            cases = [c for c in CASES if c[2] != "reference" or t <= args.ref_max_t]
+            results = run_length(cases, t, DTYPES[dname], args)
+            base = results[cases[0][0]]
+            for label, r in results.items():
+                bwd = "| - | - |"
+                if r["fwdbwd_s"] is not None:
+                    bwd = f"| {r['fwdbwd_s'] * 1e3:.1f} | {r['fwdbwd_s'] / base['fwdbwd_s']:.2f} |"
                 rows.append(
                     f"| {dname} | {t} | {label} | {r['fwd_s'] * 1e3:.1f} | "
-                    f"{r['fwd_s'] / base['fwd_s']:.2f} | {r['fwdbwd_s'] * 1e3:.1f} | "
-                    f"{r['fwdbwd_s'] / base['fwdbwd_s']:.2f} | {r['fwd_mib']:.0f} | "
-                    f"{r['fwdbwd_mib']:.0f} |"
+                    f"{r['fwd_s'] / base['fwd_s']:.2f} {bwd} {r['fwd_mib']:.0f} | "
+                    + ("- |" if r["fwdbwd_mib"] is None else f"{r['fwdbwd_mib']:.0f} |")
                 )
                 print(rows[-1], flush=True)
     table = header + "\n\n" + "\n".join(rows) + "\n"

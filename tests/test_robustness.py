@@ -73,8 +73,9 @@ def small_blocks(monkeypatch):
     """chunked in 16-row query blocks, so short sequences span several blocks."""
     monkeypatch.setattr(chunked, "DEFAULT_BLOCK_ELEMS", 1)
     monkeypatch.setattr(chunked, "FUSED_BLOCK_ELEMS", 1)
-    monkeypatch.setattr(chunked, "FUSED_ROWS", 16)
-    monkeypatch.setattr(chunked, "FUSED_KEY_TILE", 16)  # lssa in 16-key tiles (40 = 16 + 16 + 8)
+    monkeypatch.setattr(chunked, "LSSA_ROWS", 16)
+    monkeypatch.setattr(chunked, "LSSAR_ROWS", 16)
+    monkeypatch.setattr(chunked, "LSSA_KEY_TILE", 16)  # lssa in 16-key tiles (40 = 16 + 16 + 8)
 
 
 # 1, 2: every broadcastable mask, counted on its broadcast shape, at every block size

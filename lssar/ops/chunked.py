@@ -37,12 +37,17 @@ from lssar.ops.common import (
 )
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
-FUSED_BLOCK_ELEMS = 1 << 17  # fused backward, per thread: a 512 KB fp32 slab stays in L2
-# Fused forward: 64 query rows per block. LSSA tiles the keys (2048 a tile: one pass, tiles add
-# up); LSSAR takes each block's keys as one tile, keeping its softplus values between its two
-# passes (recomputing them per tile cost more than the cache misses it saves: measured on 2 cores,
-# T = 4K and 16K, lssar forward 2.2-2.5x SDPA tiled vs 1.65x untiled).
-FUSED_ROWS, FUSED_KEY_TILE = 64, 2048
+# Fused backward: score elements per block of query rows (per thread, each of its 3-4 slabs 2 MB
+# in fp32). Every block adds a rank-R update to all of dk and dv, so taller blocks mean less
+# traffic; measured on 2 cores, fwd+bwd at T = 16K: 1.62x (lssa) / 1.76x (lssar) SDPA with
+# 512 KB slabs, 1.26x / 1.30x with 2 MB.
+FUSED_BLOCK_ELEMS = 1 << 19
+# Fused forward. LSSA: 256 query rows x 512 keys a tile (one pass, tiles add up), the blocking
+# of PyTorch's own CPU flash kernel: scores, K and V tiles stay in L2 and K, V are re-read once per
+# 256 rows. LSSAR: 64 rows, each block's keys as one tile, keeping its softplus values between its
+# two passes (recomputing them per tile cost more than the cache misses it saves: measured on 2
+# cores, T = 4K and 16K, lssar forward 2.2-2.5x SDPA tiled vs 1.65x untiled).
+LSSA_ROWS, LSSA_KEY_TILE, LSSAR_ROWS = 256, 512, 64
 
 
 def _block_rows(bh: int, t_k: int, block: int) -> int:
@@ -73,7 +78,10 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
     flat = [t.detach().reshape(B * H, t.shape[2], t.shape[3]).contiguous() for t in tensors]
     m4 = None if mask is None else as_4d(mask).expand(B, H, t_q, t_k)
     if name == "forward":
-        tiling = (block if block > 0 else FUSED_ROWS, FUSED_KEY_TILE if p is None else t_k)
+        if p is None:
+            tiling = (block if block > 0 else LSSA_ROWS, LSSA_KEY_TILE)
+        else:
+            tiling = (block if block > 0 else LSSAR_ROWS, t_k)
     else:
         tiling = (_fused_rows(t_k, block),)
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))

@@ -24,14 +24,28 @@ DISABLE_ENV = "LSSAR_NO_CPU_KERNEL"  # set to 1 to use the eager path (debugging
 _loaded: dict[str, ModuleType | None] = {}
 
 
-def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in (
-        "AVX2",
-        "AVX512",
-    ):  # at::vec::Vectorized<float> as 8 lanes; Sleef's exp/log1p come from libtorch_cpu
-        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return flags
+# Vector flags per ISA torch reports: at::vec::Vectorized<float> is then 8 (AVX2) or 16 (AVX-512)
+# lanes, as in torch's own kernels for that ISA (its exp_u20 and Sleef come from libtorch_cpu).
+ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+    ],
+}
+
+
+def _flags(isa: str | None = None) -> list[str]:
+    """Compiler flags for ``isa`` (default: what torch detected on this machine; a machine
+    or ISA without an entry gets portable scalar-fallback code)."""
+    if isa is None and platform.machine() in ("x86_64", "AMD64"):
+        isa = torch.backends.cpu.get_cpu_capability()
+    return ["-O3", "-fopenmp", *ISA_FLAGS.get(isa or "", [])]
 
 
 def _name(flags: list[str]) -> str:
@@ -39,11 +53,12 @@ def _name(flags: list[str]) -> str:
     return f"lssar_cpu_kernel_{digest}"
 
 
-def load(verbose: bool = False) -> ModuleType:
-    """Build (if needed) and import the kernel; raises what the build raised."""
+def load(verbose: bool = False, isa: str | None = None) -> ModuleType:
+    """Build (if needed) and import the kernel for ``isa`` (default: this machine's); raises what
+    the build raised."""
     from torch.utils.cpp_extension import load as cpp_load
 
-    flags = _flags()
+    flags = _flags(isa)
     return cpp_load(
         name=_name(flags),
         sources=[str(SOURCE)],
