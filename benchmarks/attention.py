@@ -135,6 +135,7 @@ def run_length(cases, t: int, dtype: torch.dtype, args) -> dict[str, dict]:
 
 
 def machine() -> str:
+    """CPU model, cores, vector ISA torch runs, torch version, threads, python."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -142,8 +143,9 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return (
-        f"{cpu}; {os.cpu_count()} cores; torch {torch.__version__}; "
-        f"threads {torch.get_num_threads()}; python {sys.version.split()[0]}"
+        f"{cpu}; {os.cpu_count()} cores; {torch.backends.cpu.get_cpu_capability()}; "
+        f"torch {torch.__version__}; threads {torch.get_num_threads()}; "
+        f"python {sys.version.split()[0]}"
     )
 
 

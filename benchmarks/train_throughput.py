@@ -11,12 +11,12 @@ machine affects every arm alike. Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import numpy as np
 import torch
+from attention import machine  # benchmarks/ is on sys.path when run as a script
 
 from lssar.config import TrainConfig, load_config, model_config
 from lssar.data import get_batch
@@ -64,7 +64,7 @@ def train_steps(
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-cpu", help="model shape and batch")
     ap.add_argument("--seq-len", type=int, default=256)
@@ -78,7 +78,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per arm")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     tokens = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint16)
     rows = []
@@ -110,9 +113,7 @@ def main() -> None:
     print(
         f"{args.preset} model ({cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide), "
         f"T={args.seq_len}, batch {bs}; median of {args.rounds} rounds x {args.steps} steps\n"
-        f"machine: {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"python {platform.python_version()}\n"
+        f"Machine: {machine()}\n"
     )
     print("| attention | dtype | step time (ms) | tokens/s | step time / softmax |")
     print("|---|---|---:|---:|---:|")
