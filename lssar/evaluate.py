@@ -380,8 +380,10 @@ def evaluate_run(
     diagnostic_windows: int = 8,
     tag: str | None = None,
     progress: bool = True,
+    folder: str = "",
 ) -> dict[str, Any]:
-    """Evaluate a run; writes ``RUN/eval/<tag>/results.json`` (+ .md, plots) and returns it.
+    """Evaluate a run; writes ``RUN/eval/[<folder>/]<tag>/results.json`` (+ .md, plots) and
+    returns it (``folder`` keeps the evaluations of different studies of one run apart).
 
     ``attn`` / ``attn_p`` switch the trained attention by :meth:`AttentionSpec.override`;
     ``window`` limits every query to its last ``window`` keys (the sliding-window control). The
@@ -405,7 +407,7 @@ def evaluate_run(
         raise ValueError(f"cannot evaluate this run with attention {what}: {e}") from None
     evaluated = model.attn_spec.label
     tag = tag or model.attn_spec.slug("_") + ("" if window is None else f"_window{window}")
-    out_dir = run_dir / "eval" / tag
+    out_dir = run_dir / "eval" / folder / tag
     settings = {
         "multiples": multiples,
         "eval_tokens": eval_tokens,

@@ -99,13 +99,20 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
 
 
 def evaluate_arm(
-    preset: Preset, arm: AttentionSpec, run: Path, train_len: int, progress: bool = True
+    preset_name: str, arm: AttentionSpec, run: Path, train_len: int, progress: bool = True
 ) -> list[dict[str, Any]]:
     """The evaluations of one trained run of ``arm``: its own rule (with passkey if ``arm`` is
     one of the preset's passkey arms), the sliding-window control on softmax runs (window =
     training length: it trains exactly as softmax), and the eval-time re-weighting sweep on LSSA
-    runs (the paper's fine-tuning-free mode)."""
-    kw = dict(multiples=preset.multiples, eval_tokens=preset.eval_tokens, progress=progress)
+    runs (the paper's fine-tuning-free mode). They go to ``RUN/eval/<preset>/``: presets that
+    share a training run (quick and cpu) keep their own evaluations."""
+    preset = PRESETS[preset_name]
+    kw = dict(
+        multiples=preset.multiples,
+        eval_tokens=preset.eval_tokens,
+        progress=progress,
+        folder=preset_name,
+    )
     pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
     out = [evaluate_run(run, passkey=preset.passkey if arm in pk_arms else None, **kw)]
     if arm == SOFTMAX and preset.window:
@@ -148,7 +155,7 @@ def reproduce(
             print(f"== {arm.label} (seed {seed})", flush=True)
             run = train(cfg, resume=True, progress=progress)
             if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 evaluates
-                results += evaluate_arm(preset, arm, run, cfg.seq_len, progress)
+                results += evaluate_arm(preset_name, arm, run, cfg.seq_len, progress)
     if int(os.environ.get("RANK", "0")) != 0:
         return Path(reports_dir)
     stamp = dt.date.today().isoformat()

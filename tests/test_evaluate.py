@@ -370,6 +370,8 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     assert len(results) == 8 and all(r["eval_version"] for r in results)
     assert sum("passkey" in r for r in results) == 2  # the passkey arm (softmax), 2 seeds
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
+    assert len(stamps) == 8  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
+    assert all(p.parent.parent.name == "tiny" for p in stamps)
     again = reproduce.reproduce("tiny", overrides=overrides, **kw)
     assert (again / "REPORT.md").exists()
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
