@@ -77,17 +77,20 @@ def seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
-def gemm_floor(q, k, v, rows: int = 256) -> None:
-    """The GEMMs alone (QK^T, then the product with V) per head over causal blocks of query rows,
-    into preallocated buffers: the arithmetic every fused causal kernel does, with nothing
-    elementwise."""
+def gemm_floor(q, k, v, rows: int = 256, keys: int = 512) -> None:
+    """The GEMMs alone, tiled as the fused LSSA forward (256 query rows x 512 keys, causal
+    blocks): per tile S = Q K^T, then O += S V, into preallocated buffers. The arithmetic every
+    such kernel does, with nothing elementwise."""
     t, dv = q.shape[-2], v.shape[-1]
-    sbuf, obuf = q.new_empty(rows * t), q.new_empty(rows * dv)
+    sbuf, obuf = q.new_empty(rows * keys), q.new_empty(rows * dv)
     for qh, kh, vh in zip(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)):
         for i0 in range(0, t, rows):
             i1 = min(t, i0 + rows)
-            s = torch.mm(qh[i0:i1], kh[:i1].t(), out=sbuf[: (i1 - i0) * i1].view(i1 - i0, i1))
-            torch.mm(s, vh[:i1], out=obuf[: (i1 - i0) * dv].view(i1 - i0, dv))
+            o = obuf[: (i1 - i0) * dv].view(i1 - i0, dv).zero_()
+            for k0 in range(0, i1, keys):
+                k1 = min(i1, k0 + keys)
+                s = sbuf[: (i1 - i0) * (k1 - k0)].view(i1 - i0, k1 - k0)
+                o.addmm_(torch.mm(qh[i0:i1], kh[k0:k1].t(), out=s), vh[k0:k1])
 
 
 def case_fns(variant: str, impl: str, q, k, v):
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         f"B={args.batch} H={args.heads} D={args.head_dim}, causal. Times are medians of "
         f"{args.repeats} rounds, every case once per round; memory = peak resident growth of "
         "one call; ratio = time / SDPA softmax time in the same run and dtype. The GEMM floor "
-        "times QK^T and PV alone over causal 256-row blocks.\n\nMachine: " + machine()
+        "times QK^T and PV alone, tiled as the fused LSSA forward (256 rows x 512 keys)."
+        "\n\nMachine: " + machine()
     )
     rows = [
         "| dtype | T | attention | fwd ms | fwd x SDPA | fwd+bwd ms | fwd+bwd x SDPA | "
