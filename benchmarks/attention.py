@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import lssar
+from lssar.ops.cpu_kernel import build_isa
 
 CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax (SDPA)", "softmax", "sdpa"),
@@ -142,7 +143,8 @@ def run_length(cases, t: int, dtype: torch.dtype, args) -> dict[str, dict]:
 
 
 def machine() -> str:
-    """CPU model, cores, vector ISA torch runs, torch version, threads, python."""
+    """CPU model, cores, vector ISA torch runs and the one the kernel is built for, torch
+    version, threads, python."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -150,7 +152,8 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return (
-        f"{cpu}; {os.cpu_count()} cores; {torch.backends.cpu.get_cpu_capability()}; "
+        f"{cpu}; {os.cpu_count()} cores; {torch.backends.cpu.get_cpu_capability()} "
+        f"(cpu kernel built for {build_isa() or 'portable code'}); "
         f"torch {torch.__version__}; threads {torch.get_num_threads()}; "
         f"python {sys.version.split()[0]}"
     )

@@ -73,14 +73,7 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path):
         assert torch.equal(a, b)
 
 
-def _runnable_isas() -> list[str]:
-    """The vector ISAs this machine can run (an AVX-512 machine also runs AVX2 code)."""
-    order = list(cpu_kernel.ISA_FLAGS)
-    cap = torch.backends.cpu.get_cpu_capability()
-    return order[: order.index(cap) + 1] if cap in order else []
-
-
-@pytest.mark.parametrize("isa", _runnable_isas())
+@pytest.mark.parametrize("isa", cpu_kernel.runnable_isas())
 def test_every_isa_build_matches_the_eager_path(monkeypatch, isa):
     """The kernel is compiled per ISA (8 or 16 float lanes, other row tails): each build this
     machine can run gives the eager results, forward and backward, masked and causal."""
@@ -92,6 +85,18 @@ def test_every_isa_build_matches_the_eager_path(monkeypatch, isa):
             kw = {**opts, "is_causal": causal, "attn_mask": mask}
             for a, b in zip(_run("cpu", q, k, v, **kw), _run("chunked", q, k, v, **kw)):
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+
+
+def test_isa_switch_picks_the_build_and_rejects_what_the_machine_cannot_run(monkeypatch):
+    runnable = cpu_kernel.runnable_isas()
+    assert runnable, "this x86 machine runs at least AVX2"
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    monkeypatch.setenv(cpu_kernel.ISA_ENV, runnable[0])
+    assert cpu_kernel.kernel().__name__ == cpu_kernel._name(cpu_kernel._flags(runnable[0]))
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    monkeypatch.setenv(cpu_kernel.ISA_ENV, "NEON")
+    with pytest.raises(ValueError, match="LSSAR_CPU_KERNEL_ISA='NEON' is not a vector ISA"):
+        cpu_kernel.kernel()
 
 
 def test_disable_switch_uses_the_eager_path(monkeypatch):

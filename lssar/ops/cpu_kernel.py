@@ -20,6 +20,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "softplus_attention.cpp"
 DISABLE_ENV = "LSSAR_NO_CPU_KERNEL"  # set to 1 to use the eager path (debugging, comparisons)
+ISA_ENV = "LSSAR_CPU_KERNEL_ISA"  # AVX2 or AVX512: build for that ISA instead of the best one
 
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -40,11 +41,31 @@ ISA_FLAGS = {
 }
 
 
+def runnable_isas() -> list[str]:
+    """The vector ISAs with a build that this machine can run (AVX-512 machines also run AVX2)."""
+    order = list(ISA_FLAGS)
+    cap = torch.backends.cpu.get_cpu_capability()
+    if platform.machine() not in ("x86_64", "AMD64") or cap not in order:
+        return []
+    return order[: order.index(cap) + 1]
+
+
+def build_isa() -> str | None:
+    """The ISA to build for: ``$LSSAR_CPU_KERNEL_ISA`` when set (one this machine runs), else the
+    best this machine runs (None: portable code)."""
+    runnable = runnable_isas()
+    want = os.environ.get(ISA_ENV, "")
+    if want and want not in runnable:
+        raise ValueError(
+            f"{ISA_ENV}={want!r} is not a vector ISA this machine runs; "
+            f"set it to one of {runnable or 'none (this machine gets portable code)'} or unset it"
+        )
+    return want or (runnable[-1] if runnable else None)
+
+
 def _flags(isa: str | None = None) -> list[str]:
-    """Compiler flags for ``isa`` (default: what torch detected on this machine; a machine
-    or ISA without an entry gets portable scalar-fallback code)."""
-    if isa is None and platform.machine() in ("x86_64", "AMD64"):
-        isa = torch.backends.cpu.get_cpu_capability()
+    """Compiler flags for ``isa`` (default: :func:`build_isa`); no ISA gets portable code."""
+    isa = isa or build_isa()
     return ["-O3", "-fopenmp", *ISA_FLAGS.get(isa or "", [])]
 
 
@@ -73,8 +94,10 @@ def kernel() -> ModuleType | None:
     if "mod" not in _loaded:
         mod = None
         if os.environ.get(DISABLE_ENV, "") in ("", "0"):
+            # a bad LSSAR_CPU_KERNEL_ISA is the user's error: raised here, not a fallback
+            isa = build_isa()
             try:
-                mod = load()
+                mod = load(isa=isa)
             except Exception as exc:  # no compiler, no ninja, a failed build: fall back
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 warnings.warn(
