@@ -107,7 +107,8 @@ def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, A
         "device_name": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else platform.processor() or platform.machine(),
-        "cpu_isa": torch.backends.cpu.get_cpu_capability(),  # the vector code torch (and lssar) run
+        # torch's vector ISA, and the cpu kernel's build unless LSSAR_CPU_KERNEL_ISA says otherwise
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "argv": [project_relative(a) for a in sys.argv],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -45,8 +45,8 @@ FUSED_BLOCK_ELEMS = 1 << 19
 # Fused forward. LSSA: 256 query rows x 512 keys a tile (one pass, tiles add up), the blocking
 # of PyTorch's own CPU flash kernel: scores, K and V tiles stay in L2 and K, V are re-read once per
 # 256 rows. LSSAR: 64 rows, each block's keys as one tile, keeping its softplus values between its
-# two passes (recomputing them per tile cost more than the cache misses it saves: measured on 2
-# cores, T = 4K and 16K, lssar forward 2.2-2.5x SDPA tiled vs 1.65x untiled).
+# two passes (recomputing them per tile cost more than the cache misses it saves: measured with
+# the AVX2 build on 2 cores, T = 4K and 16K, lssar forward 2.2-2.5x SDPA tiled vs 1.65x untiled).
 LSSA_ROWS, LSSA_KEY_TILE, LSSAR_ROWS = 256, 512, 64
 
 
