@@ -435,6 +435,7 @@ def evaluate_run(
         "evaluated_attention": evaluated,
         "window": window,
         "tag": tag,
+        "folder": folder,  # the result lives in RUN/eval/<folder>/<tag>
         "step": meta.get("step"),
         "config": dataclasses.asdict(cfg),
         "settings": settings,

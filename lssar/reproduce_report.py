@@ -326,7 +326,8 @@ def _provenance(results: list[dict[str, Any]], env: dict[str, Any]) -> tuple[str
         t, e = r["env"], r.get("eval_env", {})
         mark = lambda x: str(x.get("git_sha"))[:10] + (" (dirty)" if x.get("git_dirty") else "")  # noqa: E731
         rows.append(
-            f"| `{Path(r['run']).name}/eval/{r.get('tag', '?')}` | {mark(t)} | {mark(e)} | "
+            f"| `{Path(r['run']).name / Path('eval', r.get('folder', ''), r.get('tag', '?'))}` | "
+            f"{mark(t)} | {mark(e)} | "
             f"{r.get('eval_version', '?')} |"
         )
     return head, rows

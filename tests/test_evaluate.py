@@ -366,6 +366,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
         assert f"| {label} | 2 x 192 |" in text, label
     assert "## Passkey retrieval" in text and "| softmax | " in text.split("## Passkey")[1]
     assert "(4 runs)" in text and "## Provenance" in text
+    assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_window96` |" in text  # where it lives
     results = json.loads((out / "results.json").read_text())["results"]
     assert len(results) == 8 and all(r["eval_version"] for r in results)
     assert sum("passkey" in r for r in results) == 2  # the passkey arm (softmax), 2 seeds
