@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from attention import machine  # benchmarks/ is on sys.path when run as a script
 
-from lssar.config import TrainConfig, load_config, model_config
 from lssar.data import get_batch
 from lssar.model import GPT
 from lssar.train import lr_at
+from lssar.train.config import TrainConfig, load_config, model_config
 
 
 def make_arm(cfg: TrainConfig) -> tuple[GPT, torch.optim.Optimizer]:

@@ -15,12 +15,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("lssar.data:cli", "prepare token shards: lssar data prepare --corpus --tokenizer"),
     "train": ("lssar.train:train_cli", "train a GPT: lssar train --preset tiny-cpu --attn=lssar"),
     "sample": ("lssar.train:sample_cli", "generate text from a run: lssar sample RUN --prompt"),
-    "eval": ("lssar.evaluate:cli", "loss vs length, passkey, diagnostics for a run"),
-    "reproduce": ("lssar.reproduce:cli", "train + evaluate every variant, write a report"),
-    "orbits": ("lssar.orbits.experiment:cli", "the orbital world-model experiment"),
-    "lm-eval": ("lssar.hf:lm_eval_cli", "lm-evaluation-harness on a run's checkpoint"),
-    "export-hf": ("lssar.hf:export_cli", "save a run as a transformers model directory"),
-    "recall": ("lssar.recall:cli", "associative-recall length study: lssar recall --preset quick"),
+    "eval": ("lssar.studies.lm.evaluate:cli", "loss vs length, passkey, diagnostics for a run"),
+    "reproduce": (
+        "lssar.studies.lm.reproduce:cli",
+        "train + evaluate every variant, write a report",
+    ),
+    "orbits": ("lssar.studies.orbits.experiment:cli", "the orbital world-model experiment"),
+    "lm-eval": ("lssar.integrations.hf:lm_eval_cli", "lm-evaluation-harness on a run's checkpoint"),
+    "export-hf": (
+        "lssar.integrations.hf:export_cli",
+        "save a run as a transformers model directory",
+    ),
+    "recall": (
+        "lssar.studies.recall:cli",
+        "associative-recall length study: lssar recall --preset quick",
+    ),
 }
 
 

@@ -3,6 +3,7 @@ the timings themselves live in benchmarks/RESULTS.md, never in tests)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib import util
@@ -12,9 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str) -> str:
+    # this checkout's lssar, whichever checkout the environment's editable install points at
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lssar import data, evaluate, reproduce, reproduce_report
+from lssar import data
 from lssar.cli import main as cli_main
-from lssar.config import load_config
-from lssar.runs import load_run
+from lssar.data import passkey
+from lssar.studies.lm import evaluate, presets, reproduce
+from lssar.studies.lm import report as reproduce_report
 from lssar.train import train
+from lssar.train.config import load_config
+from lssar.train.runs import load_run
 
 TINY = dict(
     n_layer=2,
@@ -169,9 +173,9 @@ def test_passkey_probe_construction_and_scoring(runs):
     tok = data.get_tokenizer("byte")
     filler = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 40, dtype=np.uint8)
     rng = np.random.default_rng(0)
-    ids, answer = evaluate.passkey_sample(tok, filler, 200, 0.5, "48213", rng)
+    ids, answer = passkey.passkey_sample(tok, filler, 200, 0.5, "48213", rng)
     text = tok.decode(ids)
-    assert len(ids) == 200 and text.endswith(evaluate.QUESTION + "48213")
+    assert len(ids) == 200 and text.endswith(passkey.QUESTION + "48213")
     assert "The pass key is 48213." in text and tok.decode(ids[answer:]) == "48213"
     model, _, _ = load_run(runs["softmax"])
     few = evaluate.PasskeySettings(max_steps=3, check_every=2, batch_size=2)
@@ -232,7 +236,7 @@ def clean_env(monkeypatch):
 
 def _report(tmp_path, results, name="r", preset="cpu"):
     out = reproduce_report.write_report(
-        preset, reproduce.PRESETS[preset], results, tmp_path / name, 1.0
+        preset, presets.PRESETS[preset], results, tmp_path / name, 1.0
     )
     return (out / "REPORT.md").read_text()
 
@@ -323,8 +327,8 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
         for i, r in enumerate(_arm("lssar p=15", "lssar p=15", [2] * 5))
     ]
     bad = [with_passkey(r, 0.5, 0.4, False) for r in _arm("lssa", "lssa", [2] * 5)]
-    preset = reproduce.Preset(
-        "t", "tiny-cpu", [], multiples=[1, 2], passkey=evaluate.PasskeySettings()
+    preset = presets.Preset(
+        "t", "tiny-cpu", ["softmax"], multiples=[1, 2], passkey=evaluate.PasskeySettings()
     )
     out = reproduce_report.write_report("cpu", preset, soft + good + bad, tmp_path / "p", 1.0)
     text = (out / "REPORT.md").read_text()
@@ -337,18 +341,19 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     """Train 2 arms x 2 seeds, evaluate with the window control, an eval-time p and passkey,
     write the report; a second invocation reuses every run and evaluation."""
-    tiny = reproduce.Preset(
+    tiny = presets.Preset(
         "tiny",
         "tiny-cpu",
-        [reproduce.SOFTMAX, reproduce.LSSA],
-        eval_reweight=[15.0],
+        ["softmax", "window", "lssa"],
         seeds=[0, 1],
         multiples=[1, 2],
         eval_tokens=192,
         passkey=evaluate.PasskeySettings(max_steps=2, check_every=1, trials=1, digits=1),
-        passkey_arms=[reproduce.SOFTMAX],
+        passkey_arms=["softmax"],
     )
-    monkeypatch.setitem(reproduce.PRESETS, "tiny", tiny)
+    monkeypatch.setitem(presets.PRESETS, "tiny", tiny)
+    lssa = dataclasses.replace(presets.ARMS["lssa"], evals=(presets.LSSAR15,))  # one eval-only p
+    monkeypatch.setitem(presets.ARMS, "lssa", lssa)
     data_dir = load_run(runs["softmax"])[2]["data_dir"]
     shrink = [f"{k}={v}" for k, v in TINY.items() if k not in ("seq_len", "eval_tokens")]
     overrides = [*shrink, "seq_len=96", "eval_tokens=192", "max_steps=3", f"data_dir={data_dir}"]

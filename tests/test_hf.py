@@ -1,4 +1,4 @@
-"""Tests for lssar.hf: lssar attention inside HF models, the lssar-gpt HF model, export."""
+"""Tests for lssar.integrations.hf: lssar attention in HF models, the lssar-gpt model, export."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from transformers.masking_utils import (  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 import lssar  # noqa: E402
-from lssar import hf  # noqa: E402
+from lssar.integrations import hf  # noqa: E402
 from lssar.model import GPT, GPTConfig  # noqa: E402
 from lssar.ops.variants import VARIANTS  # noqa: E402
 

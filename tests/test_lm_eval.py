@@ -1,4 +1,4 @@
-"""Tests for lssar.lm_eval_tasks: the LssarLM requests, local tasks, and an offline harness run."""
+"""Tests for lssar.integrations.lm_eval: LssarLM requests, local tasks, an offline harness run."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ yaml = pytest.importorskip("yaml")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from lssar.data import ByteTokenizer  # noqa: E402
-from lssar.lm_eval_tasks import LOCAL_TASKS, LssarLM, write_local_tasks  # noqa: E402
+from lssar.integrations.lm_eval import LOCAL_TASKS, LssarLM, write_local_tasks  # noqa: E402
 from lssar.model import GPT, GPTConfig  # noqa: E402
 from lssar.spec import AttentionSpec  # noqa: E402
 from tests.test_hf import make_tiny_run  # noqa: E402
@@ -120,7 +120,7 @@ def test_passkey_docs_are_the_evaluate_probes(tmp_path):
     # included) is byte for byte the doc's context followed by the right choice
     import numpy as np
 
-    from lssar.evaluate import KEY_TEMPLATE, passkey_sample
+    from lssar.data.passkey import KEY_TEMPLATE, passkey_sample
 
     write_local_tasks(tmp_path, TEXT, n_docs=4, doc_chars=300, passkey_length=200)
     tok = ByteTokenizer()

@@ -1,4 +1,4 @@
-"""Tests for the orbital world-model experiment (lssar.orbits.experiment / models / report)."""
+"""Tests for the orbits experiment (lssar.studies.orbits: experiment, models, report)."""
 
 import json
 import shutil
@@ -8,9 +8,9 @@ import torch
 
 from lssar.cli import main
 from lssar.model import sliding_window_mask
-from lssar.orbits import experiment as ex
-from lssar.orbits import symreg
-from lssar.orbits.models import OrbitGPT, OrbitModelConfig
+from lssar.studies.orbits import experiment as ex
+from lssar.studies.orbits import symreg
+from lssar.studies.orbits.models import OrbitGPT, OrbitModelConfig
 
 # Tiny sizes: the whole pipeline (data, pretraining, probes, SR, report) in seconds.
 MICRO = {

@@ -1,4 +1,4 @@
-"""Tests for lssar.orbits.kepler: closed-form orbits, splits and token formats."""
+"""Tests for lssar.studies.orbits.kepler: closed-form orbits, splits and token formats."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from lssar.orbits import kepler as k
+from lssar.studies.orbits import kepler as k
 
 
 def _small(**kw):

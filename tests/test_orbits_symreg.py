@@ -1,10 +1,10 @@
-"""Tests for lssar.orbits.symreg: power-law fit, sparse law search, GP symbolic regression."""
+"""Tests for lssar.studies.orbits.symreg: power-law fit, sparse law search, GP SR."""
 
 import numpy as np
 import pytest
 import sympy as sp
 
-from lssar.orbits import kepler, symreg
+from lssar.studies.orbits import kepler, symreg
 
 G_AU = 4 * np.pi**2  # AU^3 / (M_sun yr^2): a non-trivial constant the SR has to recover
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lssar.recall.task import BOS, IGNORE, QUERY, RecallTask
+from lssar.studies.recall.task import BOS, IGNORE, QUERY, RecallTask
 
 TASK = RecallTask(train_len=64, n_pairs=6, n_queries=4, n_keys=16, n_values=16, n_filler=8)
 
@@ -86,15 +86,8 @@ def test_bad_length():
 
 # ----------------------------------------------------------------------------- the study
 
-from lssar.recall.study import (  # noqa: E402
-    ARMS,
-    StudyConfig,
-    preset_config,
-    run_dir,
-    run_study,
-    train_arm,
-    units,
-)
+from lssar.studies.recall.presets import ARMS, StudyConfig, preset_config  # noqa: E402
+from lssar.studies.recall.study import run_dir, run_study, train_arm, units  # noqa: E402
 
 TINY_TASK = RecallTask(train_len=24, n_pairs=2, n_queries=2, n_keys=8, n_values=8, n_filler=4)
 
@@ -166,6 +159,36 @@ def test_end_to_end_rows_and_report(tmp_path):
     assert rows2 == rows
 
 
+def test_pilot_reports_training_accuracy_and_when_it_learned(tmp_path, capsys):
+    """``lssar recall --pilot``: training only; one row per model with the step it learned."""
+    from lssar.cli import main
+    from lssar.studies.recall.report import write_pilot
+
+    argv = ["recall", "--pilot", "--arms", "softmax,window", "--seeds", "0", "--no-progress"]
+    argv += ["--out", str(tmp_path / "pilot"), "--runs", str(tmp_path / "runs")]
+    argv += ["--set", "steps=50", "--set", "n_layer=1", "--set", "n_embd=16", "--set", "jobs=1"]
+    argv += ["--set", "task.n_pairs=2", "--set", "task.n_queries=2", "--set", "token_shift=false"]
+    assert main(argv) == 0
+    text = (tmp_path / "pilot" / "PILOT.md").read_text()
+    assert text.startswith("# lssar recall --pilot (preset quick)")
+    assert "2 pairs, 2 queries" in text and "token shift off" in text and "50 steps" in text
+    assert "| softmax = window | 0 | " in text  # the window trains as softmax: one model
+    assert not (tmp_path / "pilot" / "REPORT.md").exists()  # nothing evaluated
+    data = json.loads((tmp_path / "pilot" / "pilot.json").read_text())
+    assert [m["arms"] for m in data["models"]] == [["softmax", "window"]]
+    assert data["meta"]["command"] == "lssar " + " ".join(argv)
+    # the verdict column: the first logged step at 99%, or "no" within the budget
+    model = dict(data["models"][0], log=[{"step": 50, "acc": 0.5}, {"step": 100, "acc": 0.995}])
+    write_pilot([model], data["meta"], tmp_path / "w")
+    assert "| step 100 | 50.0% | 99.5% |" in (tmp_path / "w" / "PILOT.md").read_text()
+    model["log"] = [{"step": 50, "acc": 0.5}]
+    write_pilot([model], data["meta"], tmp_path / "w")
+    assert "| no (in 50 steps) | 50.0% |" in (tmp_path / "w" / "PILOT.md").read_text()
+    capsys.readouterr()
+    assert main(["recall", "--pilot", "--set", "colour=red"]) == 2
+    assert "--set colour: unknown setting" in capsys.readouterr().err
+
+
 def test_resume_matches_uninterrupted(tmp_path):
     cfg = tiny(arms=("window",))
     arm = ARMS["window"]
@@ -181,7 +204,7 @@ def test_resume_matches_uninterrupted(tmp_path):
 
 
 def test_window_arm_shares_softmax_run_and_hides_far_keys():
-    from lssar.recall.study import build_model, window_mask
+    from lssar.studies.recall.study import build_model, window_mask
 
     cfg = tiny()
     assert run_dir(Path("r"), cfg, ARMS["window"], 0) == run_dir(Path("r"), cfg, ARMS["softmax"], 0)
@@ -207,10 +230,10 @@ def test_window_arm_shares_softmax_run_and_hides_far_keys():
 
 
 def test_token_shift_is_causal_and_one_token_back():
-    from lssar.recall.model import RecallModel
+    from lssar.studies.recall.model import RecallModel
 
     cfg = tiny(n_layer=1)
-    from lssar.recall.study import build_model
+    from lssar.studies.recall.study import build_model
 
     torch.manual_seed(0)
     model = build_model(cfg, ARMS["softmax"]).eval()

@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lssar import data, evaluate, reproduce, reproduce_report
+from lssar import data
 from lssar.cli import main as cli_main
-from lssar.config import TrainConfig, model_config
-from lssar.lm_eval_tasks import LssarLM
+from lssar.integrations.lm_eval import LssarLM
 from lssar.model import GPT, GPTConfig
-from lssar.runs import load_run, save_checkpoint
 from lssar.spec import AttentionSpec, run_label
+from lssar.studies.lm import evaluate, presets
+from lssar.studies.lm import report as reproduce_report
 from lssar.train import sample_cli
+from lssar.train.config import TrainConfig, model_config
+from lssar.train.runs import load_run, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +37,9 @@ def test_labels_are_the_strings_reports_look_up():
     assert run_label(lssa, lssa) == run_label("lssa") == "lssa"
     # the claims of reproduce's report are found by these labels
     assert {"softmax", "lssa", "lssar p=3", "lssar p=15"} <= set(reproduce_report.PAPER)
-    assert [a.label for a in reproduce.PRESETS["quick"].arms] == ["softmax", "lssa", "lssar p=15"]
+    quick = presets.PRESETS["quick"].arms
+    assert quick == ["softmax", "window", "lssa", "lssar p=15"]
+    assert [presets.ARMS[a].attention.label for a in quick] == ["softmax", "softmax", *quick[2:]]
 
 
 def test_spec_is_a_validated_frozen_value():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lssar.stats import judge, mean_ci, paired_ci, t95, verdict
+from lssar.studies.stats import judge, mean_ci, paired_ci, t95, verdict
 
 
 def test_t95_table():

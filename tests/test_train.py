@@ -14,9 +14,9 @@ import torch
 
 from lssar import data
 from lssar.cli import main
-from lssar.config import TrainConfig, default_run_name, load_config
-from lssar.runs import load_run
 from lssar.train import lr_at, sample, sample_cli, train
+from lssar.train.config import TrainConfig, default_run_name, load_config
+from lssar.train.runs import load_run
 
 TINY = dict(
     n_layer=2,
@@ -112,7 +112,7 @@ def test_config_errors(preset: str | None, overrides, match: str) -> None:
 
 
 def test_override_parser() -> None:
-    from lssar.config import parse_overrides, parse_value
+    from lssar.train.config import parse_overrides, parse_value
 
     argv = ["--max-steps", "5", "--compile", "--lr=0.1", "--attn_p=none"]
     want = {"max_steps": "5", "compile": "true", "lr": "0.1", "attn_p": "none"}
@@ -134,7 +134,7 @@ def test_lr_schedule() -> None:
 
 
 def test_dtype_auto_uses_bf16_on_cpu_only_when_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lssar import train as train_mod
+    from lssar.train import loop as train_mod
 
     cpu = torch.device("cpu")
     for native in (True, False):

@@ -30,7 +30,7 @@ from lssar.data.tokenizers import (
     train_bpe,
 )
 from lssar.data.tokenizers import (
-    _package_dir as _package_dir,  # lssar.hf_gpt reads the GPT-2 files with it
+    _package_dir as _package_dir,  # lssar.integrations.hf_gpt reads the GPT-2 files with it
 )
 
 __all__ = [

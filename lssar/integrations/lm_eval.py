@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 
 from lssar import data
-from lssar.evaluate import QUESTION, passkey_probe
+from lssar.data.passkey import QUESTION, passkey_probe
 from lssar.model import GPT, KVCache
 from lssar.runio import atomic_write
 
@@ -62,7 +62,7 @@ class LssarLM(LM):
         if (run is None) == (model is None):
             raise ValueError("pass either run=<run dir> or model=<GPT> (with tokenizer)")
         if run is not None:
-            from lssar.runs import load_run
+            from lssar.train.runs import load_run
 
             model, cfg, meta = load_run(run, map_location=device, which=which)
             tokenizer = data.get_tokenizer(cfg.tokenizer, corpus_dir=meta["data_dir"])
@@ -393,7 +393,7 @@ def cli(argv: list[str]) -> int:
         raise ValueError("--tasks needs at least one task name")
     if a.limit is not None and a.limit < 1:
         raise ValueError(f"--limit={a.limit} must be >= 1")
-    from lssar.runs import load_run
+    from lssar.train.runs import load_run
 
     model, cfg, meta = load_run(a.run, map_location=a.device, which=a.which)
     tok = data.get_tokenizer(cfg.tokenizer, corpus_dir=meta["data_dir"])

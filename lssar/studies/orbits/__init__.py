@@ -4,13 +4,13 @@ The paper (arXiv 2501.13428, v5) follows Vafa et al. (2025, "What Has a Foundati
 Found?"): a GPT is pretrained on two-body trajectories, fine-tuned to predict forces, and the
 predicted forces are handed to symbolic regression, which should recover ``F = G m1 m2 / r**2``.
 
-* :mod:`lssar.orbits.kepler` -- closed-form Kepler orbits, dataset splits, token formats.
-* :mod:`lssar.orbits.symreg` -- power-law fit, sparse law search, genetic-programming SR
+* :mod:`lssar.studies.orbits.kepler` -- closed-form Kepler orbits, dataset splits, token formats.
+* :mod:`lssar.studies.orbits.symreg` -- power-law fit, sparse law search, genetic-programming SR
   (pyoperon / gplearn) and the Newton pass/fail criteria.
 
 Both modules need only numpy (``kepler``) or numpy + scipy + sympy plus one SR backend
 (``symreg``; ``pip install lssar[orbits]``); they are imported lazily so that ``import
-lssar.orbits`` costs nothing.
+lssar.studies.orbits`` costs nothing.
 """
 
 __all__ = ["kepler", "symreg"]

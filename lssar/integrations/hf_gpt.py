@@ -283,10 +283,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -
     Files: ``config.json``, ``model.safetensors``, ``generation_config.json``, the HF tokenizer
     (``tokenizer.json``, ...; encodes as the run's tokenizer) and ``lssar_tokenizer.json``
     (``{"name", "vocab_size", "eot"}``, what ``lssar.data.get_tokenizer`` needs). Load it with
-    ``lssar.hf.register()`` then ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+    ``lssar.integrations.hf.register()`` then ``AutoModelForCausalLM.from_pretrained(out_dir)``.
     """
     from lssar import data
-    from lssar.runs import load_run
+    from lssar.train.runs import load_run
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):

@@ -34,9 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lssar.orbits import kepler, symreg
-from lssar.orbits.cache import key_of, load_if, save_json, save_npz, save_torch
-from lssar.orbits.models import (
+from lssar.runio import environment
+from lssar.studies.common import run_units
+from lssar.studies.orbits import kepler, symreg
+from lssar.studies.orbits.cache import key_of, load_if, save_json, save_npz, save_torch
+from lssar.studies.orbits.models import (
     FORMATS,
     Data,
     OrbitGPT,
@@ -47,7 +49,7 @@ from lssar.orbits.models import (
     next_token_eval,
     pretrain,
 )
-from lssar.orbits.presets import (
+from lssar.studies.orbits.presets import (
     ARMS,
     PRESETS,
     Arm,
@@ -56,7 +58,6 @@ from lssar.orbits.presets import (
     parse_set,
     resolve_preset,
 )
-from lssar.runio import environment
 
 __all__ = [  # the settings live in .presets; imported from here as before
     "ARMS",
@@ -97,7 +98,7 @@ def model_config(p: Preset, arm: Arm, data: Data) -> OrbitModelConfig:
         n_embd=p.n_embd,
         attn=arm.attention.name if arm.attention else "softmax",
         attn_options=dict(arm.attention.options) if arm.attention else {},
-        window=p.window if arm.windowed else None,
+        window=p.window if arm.window else None,
         fmt=p.fmt,
         n_bins=p.n_bins,
         n_special=data.n_special,
@@ -254,6 +255,7 @@ class Runner:
     def _finish(self, d: Path, res: dict[str, Any], arm: Arm) -> None:
         sr = res["sr"]
         res["recovered_newton"] = bool(sr["gp"]["is_newton"] and sr["criteria"]["newton"])
+        res["env"] = environment(self.device, sr_backends=symreg.installed_backends())
         save_json(d / "result.json", res)
         self.computed.append(f"{arm.name}-s{res['seed']}:sr")
 
@@ -329,8 +331,8 @@ class Runner:
 def _run_job(
     name: str, p: Preset, root: Path, backend: str, device: str, arm: str, seed: int
 ) -> tuple[dict[str, Any], list[str]]:
-    """One arm/seed in a worker process (one torch thread; the data already exist)."""
-    torch.set_num_threads(1)
+    """One arm/seed in a worker process (:func:`run_units` gives it one torch thread; the data
+    already exist)."""
     runner = Runner(name, p, root, backend, torch.device(device), progress=False)
     return runner.run(ARMS[arm], seed), runner.computed
 
@@ -351,12 +353,9 @@ def run_experiment(
     ``jobs`` (default: the preset's) runs that many arm/seed runs at once in worker processes
     with one torch thread each; results do not depend on it. Returns ``{"report": Path,
     "results": [...], "computed": [stages computed now], "seconds": float}``."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
     from tqdm import tqdm
 
-    from lssar.orbits.report import write_report
+    from lssar.studies.orbits.report import write_report
 
     t0 = time.perf_counter()
     p = resolve_preset(preset, overrides, fmt)
@@ -375,22 +374,18 @@ def run_experiment(
     runner = Runner(preset, p, root, backend, device, progress and jobs == 1)  # makes the data
     todo = [(a, s) for s in seeds for a in arms]
     bar = tqdm(total=len(todo), desc=f"orbits {preset}", disable=not progress, dynamic_ncols=True)
-    results: list[dict[str, Any]] = []
-    if jobs == 1 or len(todo) == 1:
-        for a, s in todo:
-            results.append(runner.run(ARMS[a], s))
-            bar.update()
-    else:
-        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=get_context("spawn")) as ex:
-            futs = [
-                ex.submit(_run_job, preset, p, root, backend, str(device), a, s) for a, s in todo
-            ]
-            for f in futs:
-                res, computed = f.result()
-                results.append(res)
-                runner.computed += computed
-                bar.update()
+
+    def here(*job: Any) -> tuple[dict[str, Any], list[str]]:  # in this process, its runner
+        start = len(runner.computed)
+        return runner.run(ARMS[job[-2]], job[-1]), runner.computed[start:]
+
+    jobs = min(jobs, len(todo))
+    work = [(preset, p, root, backend, str(device), a, s) for a, s in todo]
+    done = run_units(_run_job if jobs > 1 else here, work, jobs, lambda i, r: bar.update())
     bar.close()
+    results = [res for res, _ in done]
+    if jobs > 1:
+        runner.computed += [c for _, computed in done for c in computed]
     seconds = time.perf_counter() - t0
     report = write_report(
         preset,

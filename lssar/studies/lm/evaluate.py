@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +27,30 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lssar.data import get_tokenizer, iter_eval_windows, load_split
-from lssar.figures import label_of, plot_results
+from lssar.data.passkey import passkey_sample
 from lssar.model import GPT, sliding_window_mask
 from lssar.runio import atomic_write, environment
+from lssar.studies.lm.figures import label_of, plot_results
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 TOKENS_PER_BATCH = 8192  # rows per forward = this // length (memory stays flat across lengths)
 N_POSITION_BUCKETS = 32
 # what an evaluation's numbers depend on besides the run: a change here recomputes cached results
-_EVAL_SOURCES = ("evaluate.py", "model.py", "spec.py", "data/batches.py", "ops")
+_EVAL_SOURCES = (
+    "studies/lm/evaluate.py",
+    "model.py",
+    "spec.py",
+    "data/batches.py",
+    "data/passkey.py",
+    "ops",
+)
 
 
 @functools.cache
 def eval_code_version() -> str:
     """A digest of the evaluation code (:data:`_EVAL_SOURCES`), stored with every evaluation; a
     cached evaluation made by other code is recomputed."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[2]  # the lssar package
     h = hashlib.sha256()
     for name in _EVAL_SOURCES:
         path = root / name
@@ -201,56 +209,6 @@ def numerical_health(
 
 # --------------------------------------------------------------------------------- passkey
 
-KEY_TEMPLATE = " The pass key is {key}. Remember it. "
-QUESTION = " What is the pass key? The pass key is "
-
-
-def passkey_probe(
-    tok,
-    filler: Sequence[int] | np.ndarray,
-    length: int,
-    key: str,
-    place: Callable[[int], tuple[int, int]],
-    question: str = QUESTION,
-    answer: str | None = None,
-) -> tuple[list[int], list[int]]:
-    """The one passkey probe builder (evaluation and the lm-eval task): (context ids, answer ids).
-
-    ``n_fill`` filler tokens (real text) from ``filler[start:]`` with ``KEY_TEMPLATE`` inserted
-    after ``cut`` of them, then ``question``; ``place(n_fill)`` chooses ``(start, cut)``. The
-    context plus the answer (``answer``, default ``key``) is exactly ``length`` tokens.
-    """
-    key_ids = tok.encode(KEY_TEMPLATE.format(key=key))
-    q_ids, ans = tok.encode(question), tok.encode(key if answer is None else answer)
-    probe = len(key_ids) + len(q_ids) + len(ans)
-    n_fill = length - probe
-    if n_fill < 0:
-        raise ValueError(
-            f"length {length} is too short for a passkey probe: it does not fit the probe "
-            f"({probe} tokens without filler)"
-        )
-    if n_fill >= len(filler):
-        raise ValueError(f"passkey length {length} needs more filler text than the held-out text")
-    start, cut = place(n_fill)
-    fill = np.asarray(filler[start : start + n_fill]).tolist()
-    return fill[:cut] + key_ids + fill[cut:] + q_ids, ans
-
-
-def passkey_sample(
-    tok, filler: np.ndarray, length: int, depth: float, key: str, rng: np.random.Generator
-) -> tuple[list[int], int]:
-    """Token ids of one probe of exactly ``length`` tokens and where the answer starts.
-
-    Filler text (real corpus tokens) surrounds ``KEY_TEMPLATE`` placed at relative ``depth``;
-    the sequence ends with ``QUESTION`` followed by the key's tokens (the answer).
-    """
-
-    def place(n_fill: int) -> tuple[int, int]:
-        return int(rng.integers(0, len(filler) - n_fill)), int(round(depth * n_fill))
-
-    context, ans = passkey_probe(tok, filler, length, key, place)
-    return context + ans, len(context)
-
 
 def _passkey_batch(tok, filler, length, n, rng, depth=None, digits=5):
     seqs, starts = [], []
@@ -392,7 +350,7 @@ def evaluate_run(
     evaluation code (:func:`eval_code_version`) changed. Every result records the run's
     environment (``env``: the training commit) and its own (``eval_env``).
     """
-    from lssar.runs import load_run
+    from lssar.train.runs import load_run
 
     run_dir = Path(run_dir)
     multiples = parse_multiples(multiples or list(DEFAULT_MULTIPLES))

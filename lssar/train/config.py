@@ -29,7 +29,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 # GPTConfig fields that TrainConfig holds under the same name (vocab_size comes from the data,
 # the attention from TrainConfig.attention).

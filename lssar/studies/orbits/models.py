@@ -2,8 +2,8 @@
 
 Sequence layout (both formats, length ``L = 1 + 2T``): position 0 is a dt token, then per time
 step ``t`` the planet token (index ``1 + 2t``) and the star token (index ``2 + 2t``), as in
-:func:`lssar.orbits.kepler.to_discrete`. The star token of step ``t`` is the first one that has
-seen both bodies' positions at ``t``, so the force probe reads it.
+:func:`lssar.studies.orbits.kepler.to_discrete`. The star token of step ``t`` is the first one
+that has seen both bodies' positions at ``t``, so the force probe reads it.
 
 :class:`OrbitGPT` = input embedding (continuous: ``Linear(2 -> C)`` on the coordinates, dt token
 = a learned vector + ``Linear(1 -> C)`` of the standardised ``log dt``; discrete: Vafa's two tables,
@@ -171,12 +171,12 @@ def encode_splits(
     coord_range: tuple[float, float] | None = None,
     device: torch.device | str = "cpu",
 ) -> Data:
-    """Encode :func:`lssar.orbits.kepler.load_split` outputs (``raw[split]``, splits train /
+    """Encode :func:`lssar.studies.orbits.kepler.load_split` outputs (``raw[split]``, splits train /
     probe / test) in ``fmt``. Continuous: coordinates divided by the train split's largest
     absolute coordinate. Discrete: ``n_bins`` bins over ``coord_range`` (default: +/- that
     coordinate), one dt vocabulary for all splits. The dt token carries the standardised
     ``log dt`` (train statistics)."""
-    from lssar.orbits import kepler
+    from lssar.studies.orbits import kepler
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")

@@ -5,7 +5,7 @@ A run is the directory ``out_dir/run_name``: ``config.json`` (resolved config), 
 checkpoints ``ckpt/latest.pt`` / ``ckpt/final.pt`` and a ``DONE`` marker. Every file is written
 with :func:`lssar.runio.atomic_write`, so a run killed at any moment resumes from whole files.
 This module does not import the training loop: readers of runs need only it and
-:mod:`lssar.config`.
+:mod:`lssar.train.config`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from lssar.config import BOOKKEEPING, TrainConfig
 from lssar.model import GPT, GPTConfig
 from lssar.runio import atomic_write
+from lssar.train.config import BOOKKEEPING, TrainConfig
 
 CKPT_FORMAT = "lssar-ckpt"
 

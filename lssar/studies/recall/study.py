@@ -1,7 +1,8 @@
-"""Arms, presets, training, evaluation and the tidy rows of the recall study.
+"""Training, evaluation and the tidy rows of the recall study (its arms and presets:
+:mod:`lssar.studies.recall.presets`).
 
-The model is :class:`lssar.recall.model.RecallModel` (a GPT with a token shift; see that module
-for why). Every trained arm shares the task, model size, steps, learning-rate schedule and the
+The model is :class:`lssar.studies.recall.model.RecallModel` (a GPT with a token shift; see that
+module for why). Every trained arm shares the task, model size, steps, learning-rate schedule and
 training batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only the
 attention differs. Every arm is scored on the same evaluation sequences. Training is fp32 (the
 CPUs this runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config hash>/``:
@@ -21,11 +22,8 @@ import datetime as dt
 import hashlib
 import json
 import math
-import multiprocessing as mp
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,144 +31,21 @@ import torch
 import torch.nn.functional as F
 
 from lssar.model import GPTConfig
-from lssar.recall.model import RecallModel, window_mask
-from lssar.recall.task import IGNORE, RecallTask
 from lssar.runio import atomic_write, environment
-
-EVAL_SEED = 1_000_003  # evaluation sequences: task.batch((EVAL_SEED, multiple, chunk), ...)
-
-
-@dataclass(frozen=True)
-class Arm:
-    """A trained model (``train_attn``/``train_p``, optional sliding window of ``train_len``)
-    and the eval-only re-weighting sweep applied to it (``eval_ps``: lssar with that p)."""
-
-    name: str
-    train_attn: str
-    train_p: float | None = None
-    window: bool = False
-    eval_ps: tuple[float, ...] = ()
-
-
-EVAL_PS = (1.0, 2.0, 3.0, 5.0, 8.0, 15.0)
-ARMS: dict[str, Arm] = {
-    a.name: a
-    for a in [
-        Arm("softmax", "softmax"),
-        Arm("softmax-qknorm-logn", "softmax-qknorm-logn"),
-        Arm("ssmax", "ssmax"),
-        Arm("lssa", "lssa", eval_ps=EVAL_PS),
-        Arm("lssar p=15", "lssar", 15.0),
-        Arm("lssar p=3", "lssar", 3.0),
-        Arm("window", "softmax", window=True),
-    ]
-}
-
-
-def eval_label(arm: Arm, p: float | None) -> str:
-    """Row label: the arm, or ``lssa -> lssar p=X (eval)`` for an eval-only re-weighting."""
-    return arm.name if p is None else f"{arm.name} -> lssar p={p:g} (eval)"
-
-
-@dataclass(frozen=True)
-class StudyConfig:
-    """Everything a study depends on (the task, the model, the optimisation, the evaluation)."""
-
-    # L = 32, 6 pairs, 4 queries (n > m: with n = m the last query is answerable by elimination),
-    # 16 keys, 16 values, 8 fillers; the pilot (PILOT.md) sized the model and the steps
-    task: RecallTask = field(
-        default_factory=lambda: RecallTask(
-            train_len=32, n_pairs=6, n_queries=4, n_keys=16, n_values=16, n_filler=8
-        )
-    )
-    arms: tuple[str, ...] = ("softmax", "lssa", "lssar p=15", "window")
-    seeds: tuple[int, ...] = (0,)
-    multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 64
-    token_shift: bool = True  # see lssar/recall/model.py: without it softmax never learned
-    steps: int = 1500
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup: int = 50
-    weight_decay: float = 0.0
-    eval_seqs: int = 100  # per length: >= 200 queries per bucket when n_queries = 4
-    eval_batch: int = 20
-    eval_ps: tuple[float, ...] | None = None  # None = each arm's own sweep
-    ckpt_every: int = 100
-    jobs: int = 1  # worker processes (one thread each); does not change any result
-
-    def __post_init__(self) -> None:
-        for a in self.arms:
-            if a not in ARMS:
-                raise ValueError(f"unknown arm {a!r}; arms: {', '.join(ARMS)}")
-        if not self.arms:
-            raise ValueError("arms: need at least one arm")
-        if not self.seeds:
-            raise ValueError("seeds: need at least one seed")
-        for m in self.multiples:
-            if not isinstance(m, int) or m < 1:
-                raise ValueError(f"multiples: {m!r} is not a positive integer")
-        for name in (
-            "n_layer",
-            "n_head",
-            "n_embd",
-            "steps",
-            "batch_size",
-            "eval_seqs",
-            "eval_batch",
-            "ckpt_every",
-            "jobs",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be positive")
-
-    def train_dict(self) -> dict[str, Any]:
-        """The settings a trained model depends on (hashed into the run name)."""
-        d = dataclasses.asdict(self)
-        for k in (
-            "arms",
-            "seeds",
-            "multiples",
-            "eval_seqs",
-            "eval_batch",
-            "eval_ps",
-            "ckpt_every",
-            "jobs",
-        ):
-            d.pop(k)
-        return d
-
-
-@dataclass(frozen=True)
-class Preset:
-    description: str
-    config: StudyConfig
-    budget: str
-
-
-PRESETS = {
-    "quick": Preset(
-        "softmax, lssa (+ eval-time re-weighting sweep), lssar p=15 and the window control; 1 seed",
-        StudyConfig(jobs=2),
-        "<= 10 min on 2 CPU cores",
-    ),
-    "cpu": Preset(
-        "every arm, 5 seeds",
-        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2, 3, 4), jobs=2),
-        "<= 75 min on 2 CPU cores",
-    ),
-}
-
-
-def preset_config(name: str, **overrides: Any) -> StudyConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name].config, **overrides)
-
+from lssar.studies.common import Arm, run_units
+from lssar.studies.recall.model import RecallModel, window_mask
+from lssar.studies.recall.presets import (
+    ARMS,
+    EVAL_SEED,
+    PRESETS,
+    StudyConfig,
+    eval_label,
+    eval_ps,
+    parse_set,
+    preset_config,
+    train_p,
+)
+from lssar.studies.recall.task import IGNORE
 
 # ------------------------------------------------------------------------------- training
 
@@ -179,22 +54,21 @@ def run_dir(runs: Path, cfg: StudyConfig, arm: Arm, seed: int) -> Path:
     """The run of ``arm``/``seed``. A window of ``train_len`` at the training length is the
     whole causal context, so the window arm *trains* exactly as softmax: it shares softmax's run
     (one model) and differs only at evaluation, where the window hides keys >= L back."""
-    d = cfg.train_dict() | {"attn": arm.train_attn, "p": arm.train_p}
+    d = cfg.train_dict() | {"attn": arm.attention.name, "p": train_p(arm)}
     h = hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    name = f"{arm.train_attn}" + ("" if arm.train_p is None else f"-p{arm.train_p:g}")
+    name = arm.attention.slug()
     return runs / f"{name}-s{seed}-{h}"
 
 
 def build_model(cfg: StudyConfig, arm: Arm) -> RecallModel:
-    opts = {} if arm.train_p is None else {"p": arm.train_p}
     return RecallModel(
         GPTConfig(
             vocab_size=cfg.task.vocab_size,
             n_layer=cfg.n_layer,
             n_head=cfg.n_head,
             n_embd=cfg.n_embd,
-            attn=arm.train_attn,
-            attn_options=opts,
+            attn=arm.attention.name,
+            attn_options=dict(arm.attention.options),
         ),
         token_shift=cfg.token_shift,
     )
@@ -301,7 +175,7 @@ def train_arm(
         "steps": cfg.steps,
         "train_seconds": elapsed + time.time() - t0,
         "log": log,
-        "config": cfg.train_dict() | {"attn": arm.train_attn, "p": arm.train_p},
+        "config": cfg.train_dict() | {"attn": arm.attention.name, "p": train_p(arm)},
         "env": environment("cpu"),
     }
     atomic_write(rd / "done.json", json.dumps(done, indent=1, default=str))
@@ -322,7 +196,7 @@ def evaluate_arm(
     path = rd / f"eval-{rule}-{cfg.eval_seqs}.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
     if p is None:
-        model.set_attention(arm.train_attn, {} if arm.train_p is None else {"p": arm.train_p})
+        model.set_attention(arm.attention.name, dict(arm.attention.options))
     else:
         model.set_attention("lssar", {"p": p})
     model.eval()
@@ -346,7 +220,7 @@ def evaluate_arm(
         changed = True
     if changed:
         atomic_write(path, json.dumps(cached))
-    model.set_attention(arm.train_attn, {} if arm.train_p is None else {"p": arm.train_p})
+    model.set_attention(arm.attention.name, dict(arm.attention.options))
     return cached
 
 
@@ -368,15 +242,15 @@ def tidy_rows(
             rows.append(
                 {
                     "arm": eval_label(arm, p),
-                    "train_attn": arm.train_attn,
+                    "train_attn": arm.attention.name,
                     "eval_attn": (
                         "lssar"
                         if p is not None
-                        else f"{arm.train_attn} window={train_len}"
+                        else f"{arm.attention.name} window={train_len}"
                         if arm.window
-                        else arm.train_attn
+                        else arm.attention.name
                     ),
-                    "eval_p": arm.train_p if p is None else p,
+                    "eval_p": train_p(arm) if p is None else p,
                     "seed": seed,
                     "length_multiple": int(m),
                     "distance": name,
@@ -390,7 +264,7 @@ def tidy_rows(
 def _eval_ps(cfg: StudyConfig, arm: Arm) -> list[float | None]:
     """The evaluation rules of an arm: its own (None), then its eval-time re-weighting sweep."""
     return [None] + list(
-        arm.eval_ps if cfg.eval_ps is None else (cfg.eval_ps if arm.eval_ps else ())
+        eval_ps(arm) if cfg.eval_ps is None else (cfg.eval_ps if arm.evals else ())
     )
 
 
@@ -406,16 +280,11 @@ def units(cfg: StudyConfig) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def run_unit(
-    cfg: StudyConfig,
-    seed: int,
-    arms: tuple[str, ...],
-    runs: Path,
-    progress: bool = False,
-    threads: int | None = None,
+    cfg: StudyConfig, seed: int, arms: tuple[str, ...], runs: Path, progress: bool = False
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Train (or reuse) one model and evaluate every arm on it with every rule: (info, rows)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
+    if progress:
+        print(f"== {', '.join(arms)} (seed {seed})", flush=True)
     model, done = train_arm(cfg, ARMS[arms[0]], seed, runs, progress)
     rd = run_dir(runs, cfg, ARMS[arms[0]], seed)
     info, rows = [], []
@@ -447,42 +316,30 @@ def run_study(
     attention_maps: bool = True,
 ) -> Path:
     """Train/reuse every (arm, seed), evaluate, write ``results.json``, REPORT.md and plots."""
-    from lssar.recall.report import write_report
+    from lssar.studies.recall.report import write_report
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     out, runs = Path(out), Path(runs)
     started = time.time()
     todo = units(cfg)
-    results: dict[int, tuple[list, list]] = {}
-    if cfg.jobs > 1 and len(todo) > 1:
-        bar = None
-        if progress:
-            from tqdm import tqdm
+    parallel = cfg.jobs > 1 and len(todo) > 1
+    bar = None
+    if progress and parallel:
+        from tqdm import tqdm
 
-            bar = tqdm(total=len(todo), desc=f"models ({cfg.jobs} workers)")
-        ctx = mp.get_context("spawn")  # fork after torch has threads can deadlock
-        with ProcessPoolExecutor(cfg.jobs, mp_context=ctx) as ex:
-            futs = {
-                ex.submit(run_unit, cfg, seed, arms, runs, False, 1): i
-                for i, (seed, arms) in enumerate(todo)
-            }
-            for f in as_completed(futs):
-                results[futs[f]] = f.result()
-                seed, arms = todo[futs[f]]
-                msg = f"done: {', '.join(arms)} (seed {seed})"
-                if bar is None:
-                    print(msg, flush=True)
-                else:
-                    bar.write(msg)
-                    bar.update(1)
+        bar = tqdm(total=len(todo), desc=f"models ({cfg.jobs} workers)")
+
+    def finished(i: int, _: Any) -> None:
         if bar is not None:
-            bar.close()
-    else:
-        for i, (seed, arms) in enumerate(todo):
-            print(f"== {', '.join(arms)} (seed {seed})", flush=True)
-            results[i] = run_unit(cfg, seed, arms, runs, progress)
-    train_info = [x for i in sorted(results) for x in results[i][0]]
-    rows = [r for i in sorted(results) for r in results[i][1]]
+            bar.write(f"done: {', '.join(todo[i][1])} (seed {todo[i][0]})")
+            bar.update(1)
+
+    work = [(cfg, seed, arms, runs, progress and not parallel) for seed, arms in todo]
+    results = run_units(run_unit, work, cfg.jobs if parallel else 1, finished)
+    if bar is not None:
+        bar.close()
+    train_info = [x for info, _ in results for x in info]
+    rows = [r for _, unit_rows in results for r in unit_rows]
     models: dict[str, tuple[RecallModel, Arm]] = {}
     if attention_maps:  # the first seed's models (finished: loaded, not trained)
         for seed, arms in todo:
@@ -503,6 +360,52 @@ def run_study(
     return out
 
 
+def pilot_unit(
+    cfg: StudyConfig, seed: int, arms: tuple[str, ...], runs: Path, progress: bool = False
+) -> dict[str, Any]:
+    """Train (or reuse) one model, no evaluation: its training log, for a pilot."""
+    _, done = train_arm(cfg, ARMS[arms[0]], seed, runs, progress)
+    return {
+        "arms": list(arms),
+        "seed": seed,
+        "run": str(run_dir(runs, cfg, ARMS[arms[0]], seed)),
+        "log": done["log"],
+        "train_seconds": done.get("train_seconds"),
+        "env": done.get("env", {}),
+    }
+
+
+def run_pilot(
+    cfg: StudyConfig,
+    out: str | Path,
+    runs: str | Path,
+    progress: bool = True,
+    name: str = "custom",
+    command: str = "lssar.studies.recall.study.run_pilot",
+) -> Path:
+    """Train every model of ``cfg`` and write ``PILOT.md`` + ``pilot.json``: training accuracy
+    against step for each, and the step at which it learned the task (or that it did not).
+    This is how a setting is sized before a study runs in it (``lssar recall --pilot``)."""
+    from lssar.studies.recall.report import write_pilot
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    out, runs = Path(out), Path(runs)
+    started = time.time()
+    todo = units(cfg)
+    jobs = cfg.jobs if len(todo) > 1 else 1
+    work = [(cfg, seed, arms, runs, progress and jobs == 1) for seed, arms in todo]
+    models = run_units(pilot_unit, work, jobs)
+    meta = {
+        "preset": name,
+        "config": dataclasses.asdict(cfg),
+        "seconds": time.time() - started,
+        "date": dt.date.today().isoformat(),
+        "command": command,
+        "env": environment("cpu"),
+    }
+    return write_pilot(models, meta, out)
+
+
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="lssar recall",
@@ -517,9 +420,22 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(ARMS)}")
     ap.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
     ap.add_argument("--jobs", type=int, help="worker processes (default: the preset's)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting (e.g. steps=3000, token_shift=false, task.n_pairs=2)",
+    )
+    ap.add_argument(
+        "--pilot",
+        action="store_true",
+        help="train only and report training accuracy against step (PILOT.md): size a "
+        "setting before studying it",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    over: dict[str, Any] = {}
+    over: dict[str, Any] = parse_set(args.set)
     if args.arms:
         over["arms"] = tuple(a.strip() for a in args.arms.split(","))
     if args.seeds:
@@ -530,10 +446,18 @@ def cli(argv: list[str]) -> int:
     if args.jobs is not None:
         over["jobs"] = args.jobs
     cfg = preset_config(args.preset, **over)
-    out = Path(args.out or f"reports/recall-{args.preset}-{dt.date.today().isoformat()}")
-    run_study(cfg, out, Path(args.runs or "runs/recall"), not args.no_progress, args.preset)
-    print((out / "REPORT.md").read_text())
-    print(f"report: {out / 'REPORT.md'}")
+    kind = "pilot" if args.pilot else "recall"
+    out = Path(args.out or f"reports/{kind}-{args.preset}-{dt.date.today().isoformat()}")
+    runs = Path(args.runs or "runs/recall")
+    if args.pilot:
+        command = " ".join(["lssar recall", *argv])
+        run_pilot(cfg, out, runs, not args.no_progress, args.preset, command)
+        report = out / "PILOT.md"
+    else:
+        run_study(cfg, out, runs, not args.no_progress, args.preset)
+        report = out / "REPORT.md"
+    print(report.read_text())
+    print(f"report: {report}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """REPORT.md, results.json and plots of ``lssar reproduce``, generated from the evaluation results.
 
-The arms the paper compares and its numbers live here, beside the claims that are judged about
-them: every verdict comes from a 95% interval over seeds (:mod:`lssar.stats`), differences paired
-by seed.
+The paper's numbers live here, beside the claims that are judged about them (the arms are
+declared in :mod:`.presets`): every verdict comes from a 95% interval over seeds
+(:mod:`lssar.studies.stats`), differences paired by seed.
 """
 
 from __future__ import annotations
@@ -10,24 +10,26 @@ from __future__ import annotations
 import datetime as dt
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from lssar.figures import group, plot_results
-from lssar.runio import atomic_write, environment
-from lssar.spec import AttentionSpec
-from lssar.stats import Interval, judge, mean_ci, paired_ci, verdict
-
-if TYPE_CHECKING:
-    from lssar.reproduce import Preset
-
-SOFTMAX, SIGMOID, RELU = AttentionSpec("softmax"), AttentionSpec("sigmoid"), AttentionSpec("relu")
-SOFTPLUS_L1, LSSA = AttentionSpec("softplus-l1"), AttentionSpec("lssa")
-LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p": 15.0})
-QKNORM, SSMAX = AttentionSpec("softmax-qknorm-logn"), AttentionSpec("ssmax")
-# the arms the paper compares (METHOD.md section 6)
-ALL_ARMS = [SOFTMAX, SIGMOID, RELU, SOFTPLUS_L1, LSSA, LSSAR3, LSSAR15, QKNORM, SSMAX]
+from lssar.runio import environment
+from lssar.studies.common import provenance_head
+from lssar.studies.common import write_report as write_files
+from lssar.studies.lm.figures import group, plot_results
+from lssar.studies.lm.presets import (
+    LSSA,
+    LSSAR3,
+    LSSAR15,
+    QKNORM,
+    RELU,
+    SIGMOID,
+    SOFTMAX,
+    SOFTPLUS_L1,
+    Preset,
+)
+from lssar.studies.stats import Interval, judge, mean_ci, paired_ci, verdict
 
 # The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; METHOD.md section 7),
 # keyed by evaluation length / training length.
@@ -301,19 +303,13 @@ def _provenance(results: list[dict[str, Any]], env: dict[str, Any]) -> tuple[str
     """(the report's first line on where its numbers come from, the table of every result)."""
     train_shas = sorted({str(r["env"].get("git_sha")) for r in results})
     eval_shas = sorted({str(r.get("eval_env", {}).get("git_sha")) for r in results})
-    dirty = [
-        r for r in results if r["env"].get("git_dirty") or r.get("eval_env", {}).get("git_dirty")
-    ]
     n_runs = len({r["run"] for r in results})
     short = lambda shas: ", ".join(x[:10] for x in shas)  # noqa: E731
-    if dirty or env.get("git_dirty"):
-        head = (
-            f"**Built from uncommitted code**: {len(dirty)} of {len(results)} results were "
-            "trained or evaluated in a dirty checkout"
-            + (", and this report was written from one." if env.get("git_dirty") else ".")
-        )
-    else:
-        head = "Built from committed code."
+    dirty = [
+        {"git_dirty": r["env"].get("git_dirty") or r.get("eval_env", {}).get("git_dirty")}
+        for r in results
+    ]
+    head = provenance_head(dirty, env)
     head += (
         f" Training runs at commit {short(train_shas)} ({n_runs} runs); evaluations at "
         f"{short(eval_shas)}; this report at {str(env.get('git_sha'))[:10]}."
@@ -458,9 +454,5 @@ def write_report(
     summary = {
         label: {str(m): _iv(v[m]).__dict__ for m in multiples} for label, v in losses.items()
     }
-    atomic_write(
-        out / "results.json",
-        json.dumps({"preset": preset_name, "results": results, "summary": summary}, indent=1),
-    )
-    atomic_write(out / "REPORT.md", "\n".join(lines))
-    return out
+    data = {"preset": preset_name, "results": results, "summary": summary}
+    return write_files(out, lines, data)

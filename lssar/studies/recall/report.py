@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
-from lssar.recall.study import ARMS, EVAL_PS, EVAL_SEED, eval_label, window_mask
-from lssar.runio import atomic_write
-from lssar.stats import mean_ci, verdict
+from lssar.studies.common import provenance_head
+from lssar.studies.common import write_report as write_files
+from lssar.studies.recall.model import window_mask
+from lssar.studies.recall.presets import ARMS, EVAL_PS, EVAL_SEED, eval_label, eval_ps
+from lssar.studies.stats import mean_ci, verdict
 
 # One colour per arm, the same in every figure.
 _ORDER = list(ARMS) + [eval_label(ARMS["lssa"], p) for p in EVAL_PS]
@@ -108,15 +110,10 @@ def _provenance(meta: dict[str, Any]) -> list[str]:
     runs = {r["run"]: r for r in meta["runs"]}.values()  # one entry per trained model
     shas = sorted({str(r.get("git_sha")) for r in runs})
     env = meta.get("env", {})
-    dirty = any(r.get("git_dirty") for r in runs) or bool(env.get("git_dirty"))
     secs = sum(r.get("train_seconds") or 0.0 for r in runs)
-    head = (
-        "**Built from uncommitted code (a dirty checkout).** "
-        if dirty
-        else "Built from committed code. "
-    )
     return [
-        head + f"Training runs: commit {', '.join(shas)}; report: commit {env.get('git_sha')}. "
+        provenance_head(list(runs), env)
+        + f" Training runs: commit {', '.join(shas)}; report: commit {env.get('git_sha')}. "
         f"{len(runs)} models, {secs / 60:.1f} min of training summed over them "
         f"({meta['config'].get('jobs', 1)} worker processes)."
     ]
@@ -131,7 +128,6 @@ def write_report(
 ) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "results.json", json.dumps({"rows": rows, "meta": meta}, indent=1))
     cells = _cells(rows)
     arms = _arms(rows)
     multiples = sorted({r["length_multiple"] for r in rows})
@@ -143,7 +139,7 @@ def write_report(
     one_seed = len(seeds) < 2
     shift = (
         ", with a token shift at the input (each position also embeds the token before it, so "
-        "retrieval takes one attention hop; see `lssar/recall/model.py`); "
+        "retrieval takes one attention hop; see `lssar/studies/recall/model.py`); "
         if c.get("token_shift")
         else "; "
     )
@@ -280,8 +276,7 @@ def write_report(
         plot_attention_maps(models, cfg, out)
         lines.append("![attention maps](attention_maps.png)")
     lines += ["", "## Environment", "", "```", json.dumps(meta.get("env", {}), indent=1), "```", ""]
-    atomic_write(out / "REPORT.md", "\n".join(lines))
-    return out
+    return write_files(out, lines, {"rows": rows, "meta": meta})
 
 
 # ----------------------------------------------------------------------------------- plots
@@ -391,7 +386,7 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
     panels = []
     for name, (model, arm) in models.items():
         panels.append((name, model, arm, None))
-        if arm.eval_ps:
+        if eval_ps(arm):
             panels.append((eval_label(arm, 15.0), model, arm, 15.0))
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(9, 1.6 * len(panels) + 0.6), sharex=True, squeeze=False
@@ -403,7 +398,7 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
         ws: list = []
         mask = window_mask(T, L) if arm.window else None
         logits, _ = model(b["tokens"], weights=ws, attn_mask=mask)
-        model.set_attention(arm.train_attn, {} if arm.train_p is None else {"p": arm.train_p})
+        model.set_attention(arm.attention.name, dict(arm.attention.options))
         w = ws[layer][0, :, q, : q + 1].float().mean(0).numpy()
         ok = int(logits[0, q].argmax()) == int(b["answer"][0, j])
         ax.plot(range(q + 1), w, color=color(label), lw=0.8)
@@ -427,3 +422,64 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "attention_maps.png", dpi=110)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------- pilot
+
+LEARNED = 0.99  # mean train accuracy over a logged 50-step window that counts as learned
+
+
+def write_pilot(models: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> Path:
+    """``PILOT.md`` + ``pilot.json`` of :func:`lssar.studies.recall.study.run_pilot`: per
+    trained model its train accuracy against step and the first step it reached
+    :data:`LEARNED` (or that it did not within the budget)."""
+    c, task = meta["config"], meta["config"]["task"]
+    envs = [m["env"] for m in models]
+    steps = [e["step"] for e in models[0]["log"]] if models else []
+    shown = steps[:: max(1, len(steps) // 10)] + ([steps[-1]] if steps else [])
+    shown = list(dict.fromkeys(shown))
+    lines = [
+        f"# lssar recall --pilot (preset {meta['preset']})",
+        "",
+        provenance_head(envs, meta["env"])
+        + f" Training at commit {', '.join(sorted({str(e.get('git_sha'))[:10] for e in envs}))}.",
+        "",
+        f"Command: `{meta['command']}` on {meta['date']} "
+        f"({meta['seconds'] / 60:.1f} min; finished runs are reused). Training only: train "
+        "accuracy on the answer tokens, averaged over each logged 50-step window.",
+        "",
+        f"Setting: L = {task['train_len']}, {task['n_pairs']} pairs, {task['n_queries']} "
+        f"queries, {task['n_keys']} keys / {task['n_values']} values / {task['n_filler']} "
+        f"fillers; {c['n_layer']} layers x {c['n_embd']} wide x {c['n_head']} heads, token "
+        f"shift {'on' if c['token_shift'] else 'off'}; {c['steps']} steps of {c['batch_size']}, "
+        f"lr {c['lr']:g}, warmup {c['warmup']}, weight decay {c['weight_decay']:g}.",
+        "",
+        "| model | seed | learned (>= 99%) | "
+        + " | ".join(f"step {s}" for s in shown)
+        + " | train s |",
+        "|---" * (len(shown) + 4) + "|",
+    ]
+    verdicts = []
+    for m in models:
+        acc = {e["step"]: e["acc"] for e in m["log"]}
+        first = next((s for s in sorted(acc) if acc[s] >= LEARNED), None)
+        learned = f"step {first}" if first is not None else f"no (in {c['steps']} steps)"
+        verdicts.append(first is not None)
+        secs = m.get("train_seconds")
+        lines.append(
+            f"| {' = '.join(m['arms'])} | {m['seed']} | {learned} | "
+            + " | ".join(f"{100 * acc[s]:.1f}%" if s in acc else "-" for s in shown)
+            + f" | {'-' if secs is None else f'{secs:.0f}'} |"
+        )
+    lines += [
+        "",
+        f"{sum(verdicts)} of {len(verdicts)} models learned the task in this budget.",
+        "",
+        "## Environment",
+        "",
+        "```",
+        json.dumps(meta["env"], indent=1),
+        "```",
+        "",
+    ]
+    return write_files(out, lines, {"models": models, "meta": meta}, "PILOT.md", "pilot.json")

@@ -1,14 +1,15 @@
 """The associative-recall length-extrapolation study (``lssar recall``).
 
 ``task``: the seeded generator; ``study``: arms, presets, training, evaluation, caching;
-``report``: REPORT.md and plots from the tidy rows. ``lssar.stats`` holds the intervals/verdicts.
+``report``: REPORT.md and plots from the tidy rows. ``lssar.studies.stats`` holds the
+intervals/verdicts.
 """
 
-from lssar.recall.task import RecallTask
+from lssar.studies.recall.task import RecallTask
 
 
 def cli(argv: list[str]) -> int:
-    from lssar.recall.study import cli as _cli
+    from lssar.studies.recall.study import cli as _cli
 
     return _cli(argv)
 

@@ -1,6 +1,7 @@
 """The orbits experiment's settings: its arms (:data:`ARMS`), presets (:data:`PRESETS`) and
 ``--set`` overrides (:func:`parse_set`, :func:`resolve_preset`); what a run depends on, nothing
-that runs. The runner is :mod:`lssar.orbits.experiment`, its cache :mod:`lssar.orbits.cache`.
+that runs. The runner is :mod:`lssar.studies.orbits.experiment`, its cache
+:mod:`lssar.studies.orbits.cache`.
 """
 
 from __future__ import annotations
@@ -10,44 +11,42 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from lssar.config import parse_overrides, parse_value
-from lssar.orbits import kepler
-from lssar.orbits.models import FORMATS
 from lssar.spec import AttentionSpec
+from lssar.studies.common import Arm as StudyArm
+from lssar.studies.common import arm_table, select_arms
+from lssar.studies.orbits import kepler
+from lssar.studies.orbits.models import FORMATS
+from lssar.train.config import parse_overrides, parse_value
 
 
 @dataclass(frozen=True)
-class Arm:
-    name: str
-    summary: str
-    attention: AttentionSpec | None = None  # None: the oracle (no model)
-    windowed: bool = False
+class Arm(StudyArm):
+    """A study arm (:class:`lssar.studies.common.Arm`; ``window``: trained and probed with a
+    causal sliding window of ``Preset.window`` tokens) that may skip pretraining."""
+
     pretrained: bool = True
 
 
 LSSAR15 = AttentionSpec("lssar", {"p": 15.0})
-ARMS: dict[str, Arm] = {
-    a.name: a
-    for a in (
-        Arm("softmax", "softmax attention (baseline)", AttentionSpec("softmax")),
-        Arm("lssa", "LSSA (softplus, length scale, l1; no re-weighting)", AttentionSpec("lssa")),
-        Arm("lssar-p3", "LSSAR with re-weighting p = 3", AttentionSpec("lssar", {"p": 3.0})),
-        Arm("lssar", "LSSAR with re-weighting p = 15 (the paper's arm)", LSSAR15),
-        Arm(
-            "softmax-local",
-            "softmax restricted to a causal sliding window (locality control)",
-            AttentionSpec("softmax"),
-            windowed=True,
-        ),
-        Arm(
-            "scratch",
-            "LSSAR p = 15, no pretraining: force head fine-tuned from random init",
-            LSSAR15,
-            pretrained=False,
-        ),
-        Arm("oracle", "symbolic regression on the true forces (no model)"),
-    )
-}
+ARMS = arm_table(
+    Arm("softmax", AttentionSpec("softmax"), "softmax attention (baseline)"),
+    Arm("lssa", AttentionSpec("lssa"), "LSSA (softplus, length scale, l1; no re-weighting)"),
+    Arm("lssar-p3", AttentionSpec("lssar", {"p": 3.0}), "LSSAR with re-weighting p = 3"),
+    Arm("lssar", LSSAR15, "LSSAR with re-weighting p = 15 (the paper's arm)"),
+    Arm(
+        "softmax-local",
+        AttentionSpec("softmax"),
+        "softmax restricted to a causal sliding window (locality control)",
+        window=True,
+    ),
+    Arm(
+        "scratch",
+        LSSAR15,
+        "LSSAR p = 15, no pretraining: force head fine-tuned from random init",
+        pretrained=False,
+    ),
+    Arm("oracle", None, "symbolic regression on the true forces (no model)"),
+)
 
 
 @dataclass
@@ -158,18 +157,12 @@ def resolve_preset(
 
 
 def check_arms(arms: list[str]) -> list[str]:
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise ValueError(
-            f"unknown arm(s) {', '.join(map(repr, bad)) or '(none given)'}; "
-            f"valid arms: {', '.join(ARMS)}"
-        )
-    return list(dict.fromkeys(arms))
+    return select_arms(ARMS, arms)
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
     """``--set`` items (``field=value``, ``data.field=value``) parsed to the fields' types by
-    :func:`lssar.config.parse_value` (tuples and lists as Python literals)."""
+    :func:`lssar.train.config.parse_value` (tuples and lists as Python literals)."""
     fields = typing.get_type_hints(Preset)
     data_fields = typing.get_type_hints(kepler.OrbitConfig)
     out = {}

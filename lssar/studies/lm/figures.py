@@ -3,7 +3,7 @@
 Results are grouped by arm (:func:`label_of`: one group holds that arm's seeds). Every figure
 draws an arm in the same colour, with the line style of its family (softmax-normalised solid,
 pointwise dash-dot, Softplus-l1 dashed, eval-time switches dotted), the mean over seeds with a
-95% band (t over seeds, :func:`lssar.stats.mean_ci`), and one legend outside the axes.
+95% band (t over seeds, :func:`lssar.studies.stats.mean_ci`), and one legend outside the axes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from lssar.spec import run_label
-from lssar.stats import mean_ci
+from lssar.studies.stats import mean_ci
 
 Result = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """Training: one loop for a single process and ``torchrun`` DDP, with exact resume.
 
-A run is the directory ``out_dir/run_name`` (its files and checkpoints: :mod:`lssar.runs`).
+A run is the directory ``out_dir/run_name`` (its files and checkpoints: :mod:`lssar.train.runs`).
 The data order is a
 pure function of ``(seed, step, micro_step, rank)`` (:func:`lssar.data.get_batch`) and the LR a
 function of the step, so resuming from a checkpoint replays exactly the steps an uninterrupted
@@ -27,7 +27,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from lssar import data
-from lssar.config import (
+from lssar.model import GPT
+from lssar.runio import environment
+from lssar.train.config import (
     TrainConfig,
     default_run_name,
     list_presets,
@@ -36,9 +38,7 @@ from lssar.config import (
     parse_overrides,
     validate,
 )
-from lssar.model import GPT
-from lssar.runio import environment
-from lssar.runs import (
+from lssar.train.runs import (
     append_log,
     check_same_config,
     finish_run,

@@ -1,0 +1,236 @@
+"""Hugging Face ``transformers`` integration: LSSAR attention inside any HF model.
+
+:func:`register` adds every lssar variant (``lssar``, ``lssa``, ``softmax``, ...; the names of
+:func:`lssar.variants`) to ``transformers.AttentionInterface`` together with a boolean mask
+builder in ``AttentionMaskInterface``, so any model that dispatches attention by name (Llama,
+Qwen2, Mistral, ...) runs it: ``from_pretrained(..., attn_implementation="lssar")``.
+Variant options come from the model config: ``config.lssar_p`` (re-weighting power),
+``config.lssar_options`` (a dict of any variant options) and ``config.lssar_impl`` (``"auto"``).
+:func:`register` also registers our GPT with the Auto classes (model type ``lssar-gpt``,
+:mod:`lssar.integrations.hf_gpt`, re-exported here with ``export_run`` / ``lssar export-hf``);
+``lssar lm-eval`` (lm-evaluation-harness) lives in :mod:`lssar.integrations.lm_eval`.
+
+Masks: HF builds a boolean ``(B, 1, T_q, T_k)`` mask (``True`` = attend) that already holds
+causality, padding and the KV-cache offset, so ``N_i`` (the number of keys query ``i`` may attend
+to, METHOD.md section 2) comes from the real mask, never from the tensor length. Only a plain
+causal mask with no padding whose cache is contiguous is skipped (``None``); lssar's bottom-right
+``is_causal`` then gives the same ``N_i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor
+
+from lssar.integrations.hf_gpt import (
+    TOKENIZER_INFO,
+    LssarGPTConfig,
+    LssarGPTForCausalLM,
+    export_cli,
+    export_run,
+    hf_tokenizer,
+    register_auto,
+)
+from lssar.ops.registry import attention, get_variant
+from lssar.ops.variants import VARIANTS, Variant
+
+__all__ = [
+    "TOKENIZER_INFO",
+    "LssarGPTConfig",
+    "LssarGPTForCausalLM",
+    "attention_function",
+    "bool_mask",
+    "config_options",
+    "export_cli",
+    "export_run",
+    "hf_tokenizer",
+    "lm_eval_cli",
+    "lssar_mask",
+    "register",
+]
+
+MIN_TRANSFORMERS = "4.48"
+# Extra keyword arguments some HF models pass to their attention function that lssar cannot honour.
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+def _interfaces() -> tuple[Any, Any]:
+    """``(AttentionInterface, AttentionMaskInterface or None)``; ValueError on too old versions."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        raise ValueError(
+            f"transformers >= {MIN_TRANSFORMERS} is needed for custom attention (found "
+            f"{transformers.__version__}); pip install 'transformers>={MIN_TRANSFORMERS}'"
+        ) from None
+    try:  # transformers >= 4.53; before it, models build float masks themselves (converted below)
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        AttentionMaskInterface = None  # noqa: N806
+    return AttentionInterface, AttentionMaskInterface
+
+
+def config_options(config: Any, variant: Variant) -> tuple[dict[str, Any], str]:
+    """Variant options and impl from an HF config: ``lssar_p``, ``lssar_options``, ``lssar_impl``.
+
+    Raises ``ValueError`` naming the config field that holds a bad value.
+    """
+    raw = getattr(config, "lssar_options", None) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"config.lssar_options must be a dict of {variant.name!r} options, got {raw!r}"
+        )
+    options = dict(raw)
+    try:
+        variant.resolve(options)
+    except ValueError as e:
+        raise ValueError(f"config.lssar_options={raw!r}: {e}") from None
+    p = getattr(config, "lssar_p", None)
+    if p is not None:
+        if "p" not in variant.options:
+            raise ValueError(
+                f"config.lssar_p={p!r}: attention {variant.name!r} has no re-weighting power p "
+                f"(its options: {', '.join(variant.options) or 'none'})"
+            )
+        try:
+            variant.resolve({"p": p})
+        except ValueError as e:
+            raise ValueError(f"config.lssar_p={p!r}: {e}") from None
+        options["p"] = p
+    impl = getattr(config, "lssar_impl", None) or "auto"
+    if not isinstance(impl, str):
+        raise ValueError(f"config.lssar_impl must be an impl name such as 'auto', got {impl!r}")
+    return options, impl
+
+
+def bool_mask(mask: Tensor) -> Tensor:
+    """An HF attention mask as lssar's boolean ``True`` = attend (same shape).
+
+    Float masks are additive: 0 = attend, a very negative value (``finfo.min`` or ``-inf``) =
+    blocked. Any other value is a bias that lssar's weights cannot absorb, so it is rejected.
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise ValueError(f"attention mask must be boolean or additive float, got {mask.dtype}")
+    attend = mask == 0
+    if not bool((attend | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+        raise ValueError(
+            "this additive attention mask holds biases other than 0 / -inf, which lssar "
+            "attention cannot apply; pass a boolean mask (True = attend)"
+        )
+    return attend
+
+
+def attention_function(name: str) -> Callable[..., tuple[Tensor, None]]:
+    """The HF attention function for lssar variant ``name`` (``ValueError`` if it is unknown)."""
+    variant = get_variant(name)
+    length_scaled = variant.scaling == "log_n"
+
+    def lssar_attention_forward(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        """HF signature: query ``(B, H, T_q, D)``, key/value ``(B, H_kv, T_k, D)`` (GQA not
+        repeated), mask ``(B, 1, T_q, T_k)`` or None -> ``((B, T_q, H, D) contiguous, None)``.
+        """
+        for k in _UNSUPPORTED_KWARGS:
+            if kwargs.get(k) is not None:
+                raise ValueError(f"lssar attention {name!r} does not support `{k}`")
+        options, impl = config_options(getattr(module, "config", None), variant)
+        if attention_mask is None:
+            # HF skipped the mask: plain causal, no padding, contiguous cache (see lssar_mask).
+            causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+            window = kwargs.get("sliding_window")
+            if causal and window is not None and key.shape[2] > window:
+                raise ValueError("sliding-window attention needs a mask; none was given")
+            mask = None
+        else:
+            if not isinstance(attention_mask, Tensor):
+                raise ValueError(
+                    f"lssar attention needs a tensor mask, got {type(attention_mask).__name__}"
+                )
+            mask, causal = bool_mask(attention_mask), False  # HF masks already hold causality
+        out = attention(
+            query,
+            key,
+            value,
+            mask,
+            dropout,
+            causal,
+            None if length_scaled else scaling,  # LSSA's scale is ln(d) ln(N_i), not 1/sqrt(d)
+            query.shape[1] != key.shape[1],
+            variant=name,
+            impl=impl,
+            **options,
+        )
+        return out.transpose(1, 2).contiguous(), None  # (B, T_q, H, D)
+
+    lssar_attention_forward.__qualname__ = f"lssar_attention_forward[{name}]"
+    return lssar_attention_forward
+
+
+def _plain_causal(kw: dict[str, Any]) -> bool:
+    """Whether the mask HF asks for is lssar's bottom-right ``is_causal`` (so it can be None)."""
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask
+
+    needed = ("q_length", "kv_length", "q_offset", "kv_offset")
+    if not all(isinstance(kw.get(k), int) for k in needed):  # tensors: static cache / tracing
+        return False
+    if kw.get("mask_function") is not causal_mask_function or kw.get("local_size") is not None:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if kw["q_offset"] - kw["kv_offset"] != kw["kv_length"] - kw["q_length"]:
+        return False  # keys not exactly the tokens before the queries (e.g. static cache slots)
+    pad = prepare_padding_mask(kw.get("attention_mask"), kw["kv_length"], kw["kv_offset"])
+    return pad is None or bool(pad.all())
+
+
+def lssar_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """``AttentionMaskInterface`` entry: HF's boolean ``sdpa_mask`` ``(B, 1, T_q, T_k)``.
+
+    Returns None only for a plain causal mask (no padding, contiguous cache): there lssar's
+    bottom-right ``is_causal`` yields the same ``N_i``. HF's own skip also fires for a static
+    cache's empty slots, which relies on SDPA's top-left alignment, so it is turned off here.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("allow_is_causal_skip", True) and not args and _plain_causal(kwargs):
+        return None
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+
+def register(names: list[str] | None = None) -> list[str]:
+    """Register lssar attention (default: every variant) and the ``lssar-gpt`` model with HF.
+
+    Idempotent. After it, ``attn_implementation="<variant>"`` works in ``from_pretrained`` /
+    ``from_config``, and ``AutoModelForCausalLM`` loads exported lssar GPTs. Returns the names.
+    """
+    attn_interface, mask_interface = _interfaces()
+    names = list(VARIANTS) if names is None else list(names)
+    for name in names:
+        fn = attention_function(name)  # ValueError for an unknown name, before registering any
+        attn_interface.register(name, fn)
+        if mask_interface is not None:
+            mask_interface.register(name, lssar_mask)
+    register_auto()
+    return names
+
+
+def lm_eval_cli(argv: list[str]) -> int:
+    """``lssar lm-eval``: see :func:`lssar.integrations.lm_eval.cli`."""
+    from lssar.integrations.lm_eval import cli
+
+    return cli(argv)

@@ -1,0 +1,132 @@
+"""What every study shares: how an arm is declared, how its (arm, seed) units run, how a report
+is written.
+
+A study (``lssar reproduce``, ``lssar recall``, ``lssar orbits``) declares its arms once, as an
+:func:`arm_table` of :class:`Arm` values in its ``presets`` module; its runner trains and
+evaluates them with :func:`run_units` and hands the results to its ``report`` module, which
+writes them with :func:`write_report`. Definitions flow one way: presets -> runner -> report;
+a report never imports its runner.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lssar.runio import atomic_write
+from lssar.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a study: the attention its model is trained with and how it is evaluated.
+
+    ``name`` is the arm's key in ``--arms`` and in the study's tables. ``attention`` is the
+    trained rule (``None``: an arm without a model, e.g. the orbits oracle). ``window`` makes the
+    arm the locality control: every query sees only its last keys (how many, and whether
+    training sees the window, is the study's setting; a window of the training length trains
+    exactly as the full model, so such an arm shares that model's run). ``evals`` are rules
+    applied to the trained model at evaluation only (the paper's fine-tuning-free
+    re-weighting: ``AttentionSpec("lssar", {"p": 15.0})`` on an LSSA model). Studies that need
+    more per arm subclass it (orbits: ``pretrained``).
+    """
+
+    name: str
+    attention: AttentionSpec | None
+    summary: str = ""
+    window: bool = False
+    evals: tuple[AttentionSpec, ...] = ()
+
+
+def arm_table(*arms: Arm) -> dict[str, Arm]:
+    """``name -> arm`` in declaration order (the order of every table); names are unique."""
+    table: dict[str, Arm] = {}
+    for a in arms:
+        if a.name in table:
+            raise ValueError(f"arm {a.name!r} is declared twice")
+        table[a.name] = a
+    return table
+
+
+def select_arms(table: dict[str, Arm], names: Iterable[str]) -> list[str]:
+    """``names`` checked against ``table`` (order kept, repeats dropped); ``ValueError`` names
+    the unknown ones and the valid choices."""
+    names = list(dict.fromkeys(names))
+    bad = [n for n in names if n not in table]
+    if bad or not names:
+        raise ValueError(
+            f"unknown arm(s) {', '.join(map(repr, bad)) or '(none given)'}; "
+            f"valid arms: {', '.join(table)}"
+        )
+    return names
+
+
+def _one_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    torch.set_num_threads(1)
+    return fn(*args)
+
+
+def run_units(
+    fn: Callable[..., Any],
+    units: Sequence[tuple[Any, ...]],
+    jobs: int = 1,
+    on_done: Callable[[int, Any], None] | None = None,
+) -> list[Any]:
+    """``[fn(*unit) for unit in units]``, in that order, with ``jobs`` worker processes.
+
+    ``jobs > 1`` runs the units in spawned processes of one torch thread each (tiny models use
+    one core far better than two threads on a shared machine; fork after torch has threads can
+    deadlock), so ``fn`` and its arguments must be picklable; results do not depend on
+    ``jobs``. ``on_done(i, result)`` is called as each unit finishes (progress)."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    results: list[Any] = [None] * len(units)
+    if jobs == 1 or len(units) <= 1:
+        for i, unit in enumerate(units):
+            results[i] = fn(*unit)
+            if on_done is not None:
+                on_done(i, results[i])
+        return results
+    with ProcessPoolExecutor(min(jobs, len(units)), mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(_one_thread, fn, *unit) for unit in units]
+        for i, f in enumerate(futs):
+            results[i] = f.result()
+            if on_done is not None:
+                on_done(i, results[i])
+    return results
+
+
+def provenance_head(envs: Sequence[dict[str, Any]], report_env: dict[str, Any]) -> str:
+    """The first sentence of a report: built from committed code, or how many of its results
+    (``envs``: the environments of the runs and evaluations behind them) came from a dirty
+    checkout, and whether the report itself was written from one."""
+    dirty = sum(bool(e.get("git_dirty")) for e in envs)
+    if not dirty and not report_env.get("git_dirty"):
+        return "Built from committed code."
+    return (
+        f"**Built from uncommitted code**: {dirty} of {len(envs)} results were trained or "
+        "evaluated in a dirty checkout"
+        + (", and this report was written from one." if report_env.get("git_dirty") else ".")
+    )
+
+
+def write_report(
+    out: Path,
+    lines: Sequence[str],
+    results: dict[str, Any],
+    report: str = "REPORT.md",
+    data: str = "results.json",
+) -> Path:
+    """``out/REPORT.md`` (``lines``) and ``out/results.json`` (``results``), each written
+    atomically, the data first: a report on disk always has the data it was built from."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / data, json.dumps(results, indent=1, default=str))
+    atomic_write(out / report, "\n".join(lines))
+    return out

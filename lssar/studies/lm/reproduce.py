@@ -1,0 +1,165 @@
+"""``lssar reproduce``: train one model per attention arm, evaluate them all, write a report.
+
+Every arm of a preset shares data, seed, budget and model size; only the attention differs.
+Finished runs and evaluations are reused and unfinished runs resume, so re-running a preset
+continues where it stopped. The report (``reports/<preset>-<date>/REPORT.md`` + JSON + plots) is
+generated from the run directories by :mod:`lssar.studies.lm.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lssar.studies.common import Arm, run_units
+from lssar.studies.lm.evaluate import evaluate_run
+from lssar.studies.lm.presets import ARMS, PRESETS, Preset
+from lssar.studies.lm.report import write_report
+
+
+def _run_name(preset: str, arm: Arm, seed: int) -> str:
+    """Runs are named by the trained rule: arms that train alike (softmax and its window
+    control) share one."""
+    return f"{preset}-{arm.attention.slug()}-s{seed}"
+
+
+def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
+    """The torchrun and eval commands of the paper preset (one line each, one per run)."""
+    cmds: list[str] = []
+    seen: set[str] = set()
+    for a in preset.arms:
+        arm, name = ARMS[a], _run_name(preset.train_preset, ARMS[a], 0)
+        if name in seen:  # a run two arms share (softmax and its window control)
+            continue
+        seen.add(name)
+        p = arm.attention.to_train()["attn_p"]
+        flags = f"--attn={arm.attention.name}" + ("" if p is None else f" --attn_p={p:g}")
+        cmds.append(
+            f"torchrun --standalone --nproc_per_node=8 -m lssar train --preset "
+            f"{preset.train_preset} {flags} --out_dir={runs_dir} --run_name={name}"
+        )
+        cmds.append(f"lssar eval {runs_dir / name} --lengths 1,2,4,8,16 --passkey")
+    return cmds
+
+
+def evaluate_arm(
+    preset_name: str, arm: Arm, run: Path, train_len: int, progress: bool = True
+) -> list[dict[str, Any]]:
+    """The evaluations of one trained run for ``arm``: its own rule (with passkey if ``arm`` is
+    one of the preset's passkey arms), or the sliding window of the training length for the
+    window control, then the arm's eval-only rules (the paper's fine-tuning-free
+    re-weighting). They go to ``RUN/eval/<preset>/``: presets that share a training run (quick
+    and cpu) keep their own evaluations."""
+    preset = PRESETS[preset_name]
+    kw = dict(
+        multiples=preset.multiples,
+        eval_tokens=preset.eval_tokens,
+        progress=progress,
+        folder=preset_name,
+    )
+    pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
+    if arm.window:
+        out = [evaluate_run(run, window=train_len, **kw)]
+    else:
+        out = [evaluate_run(run, passkey=preset.passkey if arm.name in pk_arms else None, **kw)]
+    for rule in arm.evals:
+        out.append(evaluate_run(run, attn=rule.name, attn_p=rule.options.get("p"), **kw))
+    return out
+
+
+def _train_and_evaluate(
+    preset_name: str, arm_name: str, seed: int, runs_dir: Path, overrides: list[str], progress: bool
+) -> list[dict[str, Any]]:
+    """One (arm, seed) unit: train (or reuse, or resume) its run, then evaluate it (rank 0)."""
+    from lssar.train import train
+    from lssar.train.config import load_config, parse_overrides
+
+    preset, arm = PRESETS[preset_name], ARMS[arm_name]
+    cfg = load_config(
+        preset.train_preset,
+        {
+            **arm.attention.to_train(),
+            "seed": seed,
+            "out_dir": str(runs_dir),
+            "run_name": _run_name(preset.train_preset, arm, seed),
+            **parse_overrides(overrides),
+        },
+    )
+    print(f"== {arm.name} (seed {seed})", flush=True)
+    run = train(cfg, resume=True, progress=progress)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
+        return []
+    return evaluate_arm(preset_name, arm, run, cfg.seq_len, progress)
+
+
+def reproduce(
+    preset_name: str,
+    runs_dir: str | Path | None = None,
+    reports_dir: str | Path = "reports",
+    progress: bool = True,
+    overrides: list[str] | None = None,
+) -> Path:
+    """Train + evaluate every arm of ``preset_name``; returns the report directory."""
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    preset = PRESETS[preset_name]
+    # Runs are named by the training preset, so presets that share it (quick, cpu) share runs.
+    runs_dir = Path(runs_dir or f"runs/reproduce-{preset.train_preset}")
+    started = time.time()
+    # in this process, one unit after another: torchrun's ranks train each run together
+    units = [
+        (preset_name, a, seed, runs_dir, list(overrides or []), progress)
+        for seed in preset.seeds
+        for a in preset.arms
+    ]
+    results = [r for rs in run_units(_train_and_evaluate, units) for r in rs]
+    if int(os.environ.get("RANK", "0")) != 0:
+        return Path(reports_dir)
+    stamp = dt.date.today().isoformat()
+    out = Path(reports_dir) / f"{preset_name}-{stamp}"
+    write_report(preset_name, preset, results, out, time.time() - started)
+    return out
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="lssar reproduce",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--preset", default="quick", help=", ".join(f"{k} ({v.budget})" for k, v in PRESETS.items())
+    )
+    ap.add_argument("--runs-dir", help="where the runs live (default runs/reproduce-PRESET)")
+    ap.add_argument("--reports-dir", default="reports")
+    ap.add_argument(
+        "--execute",
+        action="store_true",
+        help="paper preset: run the torchrun commands here instead of printing them",
+    )
+    args, overrides = ap.parse_known_args(argv)
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    if args.preset == "paper" and not args.execute:
+        runs = Path(args.runs_dir or f"runs/reproduce-{PRESETS['paper'].train_preset}")
+        print(
+            f"# {PRESETS['paper'].description}\n# expected time: {PRESETS['paper'].budget}\n"
+            "# run these on a GPU node, or there: torchrun --standalone --nproc_per_node=8 "
+            "-m lssar reproduce --preset paper --execute\n# (trains every arm in turn, rank 0 "
+            "evaluates and writes the report; finished runs are reused)\n"
+        )
+        print("\n".join(paper_commands(PRESETS["paper"], runs)))
+        return 0
+    out = reproduce(args.preset, args.runs_dir, args.reports_dir, overrides=overrides)
+    print((out / "REPORT.md").read_text())
+    print(f"report: {out / 'REPORT.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,176 @@
+"""The recall study's settings: its arms (:data:`ARMS`), :class:`StudyConfig` and presets
+(:data:`PRESETS`); what a study depends on, nothing that runs. The runner is
+:mod:`lssar.studies.recall.study`, the report :mod:`lssar.studies.recall.report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from lssar.spec import AttentionSpec
+from lssar.studies.common import Arm, arm_table, select_arms
+from lssar.studies.recall.task import RecallTask
+
+EVAL_SEED = 1_000_003  # evaluation sequences: task.batch((EVAL_SEED, multiple, chunk), ...)
+
+
+EVAL_PS = (1.0, 2.0, 3.0, 5.0, 8.0, 15.0)
+
+
+def _lssar(ps: tuple[float, ...]) -> tuple[AttentionSpec, ...]:
+    return tuple(AttentionSpec("lssar", {"p": p}) for p in ps)
+
+
+# The window arm trains exactly as softmax (a window of L at the training length is the whole
+# causal context), so it shares softmax's run and differs only at evaluation.
+ARMS = arm_table(
+    Arm("softmax", AttentionSpec("softmax")),
+    Arm("softmax-qknorm-logn", AttentionSpec("softmax-qknorm-logn")),
+    Arm("ssmax", AttentionSpec("ssmax")),
+    Arm("lssa", AttentionSpec("lssa"), evals=_lssar(EVAL_PS)),
+    Arm("lssar p=15", AttentionSpec("lssar", {"p": 15.0})),
+    Arm("lssar p=3", AttentionSpec("lssar", {"p": 3.0})),
+    Arm("window", AttentionSpec("softmax"), window=True),
+)
+
+
+def train_p(arm: Arm) -> float | None:
+    """The trained rule's p (None: a rule without re-weighting)."""
+    return arm.attention.options.get("p")
+
+
+def eval_ps(arm: Arm) -> tuple[float, ...]:
+    """The p of each of the arm's eval-only re-weighting rules."""
+    return tuple(e.options["p"] for e in arm.evals)
+
+
+def eval_label(arm: Arm, p: float | None) -> str:
+    """Row label: the arm, or ``lssa -> lssar p=X (eval)`` for an eval-only re-weighting."""
+    return arm.name if p is None else f"{arm.name} -> lssar p={p:g} (eval)"
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Everything a study depends on (the task, the model, the optimisation, the evaluation)."""
+
+    # L = 32, 6 pairs, 4 queries (n > m: with n = m the last query is answerable by elimination),
+    # 16 keys, 16 values, 8 fillers; the pilot (PILOT.md) sized the model and the steps
+    task: RecallTask = field(
+        default_factory=lambda: RecallTask(
+            train_len=32, n_pairs=6, n_queries=4, n_keys=16, n_values=16, n_filler=8
+        )
+    )
+    arms: tuple[str, ...] = ("softmax", "lssa", "lssar p=15", "window")
+    seeds: tuple[int, ...] = (0,)
+    multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    token_shift: bool = True  # see lssar/recall/model.py: without it softmax never learned
+    steps: int = 1500
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    eval_seqs: int = 100  # per length: >= 200 queries per bucket when n_queries = 4
+    eval_batch: int = 20
+    eval_ps: tuple[float, ...] | None = None  # None = each arm's own sweep
+    ckpt_every: int = 100
+    jobs: int = 1  # worker processes (one thread each); does not change any result
+
+    def __post_init__(self) -> None:
+        select_arms(ARMS, self.arms)
+        if not self.seeds:
+            raise ValueError("seeds: need at least one seed")
+        for m in self.multiples:
+            if not isinstance(m, int) or m < 1:
+                raise ValueError(f"multiples: {m!r} is not a positive integer")
+        for name in (
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "steps",
+            "batch_size",
+            "eval_seqs",
+            "eval_batch",
+            "ckpt_every",
+            "jobs",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be positive")
+
+    def train_dict(self) -> dict[str, Any]:
+        """The settings a trained model depends on (hashed into the run name)."""
+        d = dataclasses.asdict(self)
+        for k in (
+            "arms",
+            "seeds",
+            "multiples",
+            "eval_seqs",
+            "eval_batch",
+            "eval_ps",
+            "ckpt_every",
+            "jobs",
+        ):
+            d.pop(k)
+        return d
+
+
+@dataclass(frozen=True)
+class Preset:
+    description: str
+    config: StudyConfig
+    budget: str
+
+
+PRESETS = {
+    "quick": Preset(
+        "softmax, lssa (+ eval-time re-weighting sweep), lssar p=15 and the window control; 1 seed",
+        StudyConfig(jobs=2),
+        "<= 10 min on 2 CPU cores",
+    ),
+    "cpu": Preset(
+        "every arm, 5 seeds",
+        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2, 3, 4), jobs=2),
+        "<= 75 min on 2 CPU cores",
+    ),
+}
+
+
+def preset_config(name: str, **overrides: Any) -> StudyConfig:
+    """The named preset's config with ``overrides`` (``task`` may be a dict of task fields)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    base = PRESETS[name].config
+    if isinstance(overrides.get("task"), dict):
+        overrides["task"] = dataclasses.replace(base.task, **overrides["task"])
+    return dataclasses.replace(base, **overrides)
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set`` items (``field=value``, ``task.field=value``) parsed to the types of
+    :class:`StudyConfig` and :class:`RecallTask` fields; ``ValueError`` names an unknown key."""
+    from lssar.train.config import parse_overrides, parse_value
+
+    fields = typing.get_type_hints(StudyConfig)
+    task_fields = typing.get_type_hints(RecallTask)
+    out: dict[str, Any] = {}
+    task: dict[str, Any] = {}
+    for key, value in parse_overrides(items).items():
+        name = key.removeprefix("task.")
+        known = task_fields if key.startswith("task.") else fields
+        if name not in known or key in ("task", "arms", "seeds"):
+            valid = [f for f in fields if f not in ("task", "arms", "seeds")]
+            raise ValueError(
+                f"--set {key}: unknown setting; valid: {', '.join(valid)}, task.<"
+                f"{'|'.join(task_fields)}> (arms and seeds have flags of their own)"
+            )
+        (task if key.startswith("task.") else out)[name] = parse_value(key, value, known[name])
+    if task:
+        out["task"] = task
+    return out
