@@ -267,7 +267,7 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
     # 1.935 vs 1.9: +1.8% (inside +-2%)
     assert "lssar / softmax - 1**: measured 0.018 ± 0.000 -> **supported**" in text
     assert (
-        "lssa -> lssar p=15 (eval only) - lssa at 16x**: measured -0.100 ± 1.491 -> "
+        "lssa -> lssar p=15 (eval only) - lssa at 16x**: measured -0.100 ± 1.490 -> "
         "**within noise**"
     ) in text
     # LSSAR vs the strongest baseline: identical at 16x, an interval touching 0 is not "< 0"
