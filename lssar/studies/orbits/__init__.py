@@ -7,9 +7,13 @@ predicted forces are handed to symbolic regression, which should recover ``F = G
 * :mod:`lssar.studies.orbits.kepler` -- closed-form Kepler orbits, dataset splits, token formats.
 * :mod:`lssar.studies.orbits.symreg` -- power-law fit, sparse law search, genetic-programming SR
   (pyoperon / gplearn) and the Newton pass/fail criteria.
+* :mod:`lssar.studies.orbits.ceiling` -- the noise ceiling: the true law seen through a probe's
+  measured noise, the yardstick of the Newton criterion.
+* :mod:`lssar.studies.orbits.judging` / :mod:`.report` / :mod:`.plots` -- verdicts (paired by
+  seed), REPORT.md and figures; :mod:`.experiment` runs it all (``lssar orbits``).
 
-Both modules need only numpy (``kepler``) or numpy + scipy + sympy plus one SR backend
-(``symreg``; ``pip install lssar[orbits]``); they are imported lazily so that ``import
+``kepler`` and ``ceiling`` need only numpy, ``symreg`` numpy + scipy + sympy plus one SR backend
+(``pip install lssar[orbits]``); nothing is imported here, so that ``import
 lssar.studies.orbits`` costs nothing.
 """
 

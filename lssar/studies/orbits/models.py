@@ -10,7 +10,9 @@ that has seen both bodies' positions at ``t``, so the force probe reads it.
 a coordinate-bin table summed over x and y and a special-token table) + the transformer blocks of
 :class:`lssar.model.GPT` (RoPE, attention from the registry by name) + a next-token head
 (continuous: MSE on the next token's ``(x, y)``; discrete: cross-entropy on its x and y bins)
-and a scalar force head (``log |F|`` standardised).
+and a scalar force head (``log |F|`` standardised). The ideal-estimator arm (``sees_masses``) adds
+``Linear(2 -> C)`` of the standardised true ``log (m1, m2)`` to every token, so its force head
+has the masses that every other arm must infer from the motion.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class OrbitModelConfig:
     n_bins: int = 256  # discrete: coordinate bins per axis
     n_special: int = 2  # discrete: 0 = coordinate token, 1.. = dt tokens
     accel_scale: float = 1.0  # continuous: unit of the next-position head (see next_token_loss)
+    sees_masses: bool = False  # the ideal estimator: true log masses added to every token
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,7 +61,8 @@ class OrbitGPT(nn.Module):
     """Trajectory GPT. ``forward(batch) -> hidden (B, L, C)``; see the module docstring.
 
     ``batch``: ``x`` ``(B, L, 2)`` float coordinates (continuous) or long bin ids (discrete),
-    ``special`` ``(B, L)`` long (0 = coordinate token), ``dt`` ``(B,)`` standardised ``log dt``.
+    ``special`` ``(B, L)`` long (0 = coordinate token), ``dt`` ``(B,)`` standardised ``log dt``,
+    ``log_m`` ``(B, 2)`` standardised true ``log (m1, m2)`` (read only when ``cfg.sees_masses``).
     """
 
     def __init__(self, cfg: OrbitModelConfig) -> None:
@@ -88,6 +92,8 @@ class OrbitGPT(nn.Module):
             self.coord_emb = nn.Embedding(2 * cfg.n_bins, C)  # x bins, then y bins
             self.next_head = nn.Linear(C, 2 * cfg.n_bins)
         self.force_head = nn.Linear(C, 1)
+        if cfg.sees_masses:  # built last: every other weight is initialised as in the other arms
+            self.mass_in = nn.Linear(2, C)
 
     def embed(self, batch: dict[str, Tensor]) -> Tensor:
         """Input embeddings ``(B, L, C)``."""
@@ -100,6 +106,8 @@ class OrbitGPT(nn.Module):
             ids = batch["x"].clone()
             ids[..., 1] += self.cfg.n_bins
             h = h + self.coord_emb(ids).sum(-2).masked_fill(is_special, 0.0)
+        if self.cfg.sees_masses:  # at every token: no attention is needed to read them
+            h = h + self.mass_in(batch["log_m"]).unsqueeze(1)
         return h
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
@@ -175,7 +183,7 @@ def encode_splits(
     probe / test) in ``fmt``. Continuous: coordinates divided by the train split's largest
     absolute coordinate. Discrete: ``n_bins`` bins over ``coord_range`` (default: +/- that
     coordinate), one dt vocabulary for all splits. The dt token carries the standardised
-    ``log dt`` (train statistics)."""
+    ``log dt``; ``log_m`` the standardised true log masses (both with train statistics)."""
     from lssar.studies.orbits import kepler
 
     if fmt not in FORMATS:
@@ -223,9 +231,12 @@ def encode_splits(
             start += n
     log_dt = {s: np.log(d["dt"]) for s, d in raw.items()}
     mu, sd = float(log_dt["train"].mean()), float(log_dt["train"].std())
+    log_m = {s: np.log(d["masses"]) for s, d in raw.items()}
+    m_mu, m_sd = log_m["train"].mean(0), np.maximum(log_m["train"].std(0), 1e-12)
     for s in raw:
         z = (log_dt[s] - mu) / sd if sd > 1e-12 else np.zeros_like(log_dt[s])
         tokens[s]["dt"] = torch.from_numpy(z.astype(np.float32))
+        tokens[s]["log_m"] = torch.from_numpy(((log_m[s] - m_mu) / m_sd).astype(np.float32))
         tokens[s] = {k: v.to(device) for k, v in tokens[s].items()}
     return Data(
         tokens=tokens,
