@@ -227,9 +227,25 @@ def test_bad_names_raise_clear_errors(tmp_path, capsys):
     assert "valid presets" in err and "'bogus'" in err and err.count("\n") == 2
 
 
+def test_cpu_preset_has_4x_the_probe_systems_of_quick():
+    def counts(name):
+        p = ex.resolve_preset(name)
+        return [round(f * p.data["n_systems"]) for f in p.fractions]
+
+    assert counts("quick") == [2400, 300, 300]
+    assert counts("cpu") == [2400, 1200, 1200]  # same pretraining data size, 4x probe and test
+
+
 def test_set_overrides_are_typed():
-    got = ex.parse_set(["data.m1_range=(2.0, 1.0)", "pretrain_steps=100", "sr_budget_s=5"])
-    assert got == {"data.m1_range": (2.0, 1.0), "pretrain_steps": 100, "sr_budget_s": 5.0}
+    got = ex.parse_set(
+        ["data.m1_range=(2.0, 1.0)", "pretrain_steps=100", "sr_budget_s=5", "fractions=(.5,.3,.2)"]
+    )
+    assert got == {
+        "data.m1_range": (2.0, 1.0),
+        "pretrain_steps": 100,
+        "sr_budget_s": 5.0,
+        "fractions": (0.5, 0.3, 0.2),
+    }
     assert isinstance(got["sr_budget_s"], float)
     with pytest.raises(ValueError, match="pretrain_steps: expected int"):
         ex.parse_set(["pretrain_steps=many"])

@@ -86,7 +86,7 @@ def prepare_data(p: Preset, name: str, root: Path, device: torch.device) -> Data
     """Generate (or reuse) ``root/data/orbits-<name>/`` and encode it in ``p.fmt``."""
     cfg = kepler.preset(p.data_preset, **p.data)  # kepler validates the orbital parameters
     ddir = root / "data" / f"orbits-{name}"
-    manifest = kepler.make_splits(cfg, ddir)
+    manifest = kepler.make_splits(cfg, ddir, p.fractions)
     raw = {s: kepler.load_split(ddir, s) for s in kepler.SPLITS}
     data = encode_splits(raw, p.fmt, p.n_bins, cfg.extra.get("coord_range"), device)
     data.key = key_of({"sha256": manifest["sha256"], "fmt": p.fmt, "n_bins": p.n_bins})

@@ -70,6 +70,7 @@ class Preset:
     arms: list[str]
     seeds: list[int]
     fmt: str = "continuous"
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)  # train / probe / test systems
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 64
@@ -98,7 +99,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
         description="Smoke-scale check on 2 CPU cores: softmax vs LSSAR + oracle, one seed",
-        budget="~5-6 min on 2 shared CPU cores",
+        budget="~6-7 min on 2 shared CPU cores",
         data_preset="quick",
         data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
         arms=["softmax", "lssar", "oracle"],
@@ -106,9 +107,14 @@ PRESETS: dict[str, Preset] = {
     ),
     "cpu": Preset(
         description="All arms and controls, three seeds, CPU-sized",
-        budget="~45 min of single-core compute; ~25 min with --jobs 2 (default) on 2 free cores",
+        # from the 2026-11-29 cpu run's stage times (pretrain ~71 s, probe ~120 s, SR ~8 s a
+        # run) + the ideal arm + a GP run on every ceiling + the 4x probe/test forward passes
+        # (timed at both sizes: +3-5% of a probe stage)
+        budget="~75 min of single-core compute; ~40 min with --jobs 2 (default) on 2 free cores",
         data_preset="cpu",
-        data=dict(n_systems=3000, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
+        # the train split of `quick` (2400 systems), 4x its probe and test splits (1200 each)
+        data=dict(n_systems=4800, n_steps=32, dt=0.15, a_range=(0.7, 1.4)),
+        fractions=(0.5, 0.25, 0.25),
         arms=list(ARMS),
         seeds=[0, 1, 2],
         sr_budget_s=10.0,
