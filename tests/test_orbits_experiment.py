@@ -227,6 +227,13 @@ def test_bad_names_raise_clear_errors(tmp_path, capsys):
     assert "valid presets" in err and "'bogus'" in err and err.count("\n") == 2
 
 
+def test_ceiling_settings_are_checked_before_anything_runs(tmp_path):
+    for bad in ({"margin": 0.0}, {"ceiling_draws": 0}):
+        with pytest.raises(ValueError, match="ceiling_draws >= 1 and margin > 0"):
+            ex.run_experiment("quick", ["oracle"], [0], tmp_path, {**MICRO, **bad}, progress=False)
+    assert not (tmp_path / "data").exists()
+
+
 def test_cpu_preset_has_4x_the_probe_systems_of_quick():
     def counts(name):
         p = ex.resolve_preset(name)
