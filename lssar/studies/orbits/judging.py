@@ -20,7 +20,7 @@ Every sentence here is built from a label, so no sentence says more than its int
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lssar.studies.orbits.ceiling import ERRORS
@@ -64,7 +64,10 @@ def by_seed(results: Sequence[Result]) -> dict[str, dict[int, Result]]:
 
 
 def paired_values(
-    runs: dict[int, Result], other: dict[int, Result] | None, fa: Any, fb: Any
+    runs: dict[int, Result],
+    other: dict[int, Result] | None,
+    fa: Callable[[Result], float],
+    fb: Callable[[Result], float],
 ) -> tuple[list[float], list[float]]:
     """``fa(run)`` and ``fb(run of other)`` (``other`` None: of the same run) on the seeds both
     have, in seed order."""
@@ -105,7 +108,6 @@ def versus_ceiling(
     text = f"arm − ceiling = {_diff(d)}"
     if d.lo is not None:
         text = f"{label}: {text}"
-    if d.lo is not None:
         text += (
             f"; equivalence within ±{margin:g}: 90% interval [{num(eq.lo)}, {num(eq.hi)}], "
             f"TOST p = {eq.p:.2g}"
@@ -147,9 +149,9 @@ def compare(
 
 
 def arm_intervals(runs: dict[int, Result]) -> dict[str, Any]:
-    """An arm's intervals over seeds: each exponent error of its power law and of its ceiling
-    (means over the ceiling's draws), both R², and how many runs lie within their ceiling's 95th
-    percentile. ``None`` entries for an arm without a ceiling (the oracle)."""
+    """An arm's intervals over seeds: each exponent error of its power law, its ceiling's largest
+    error (the mean over the ceiling's draws), both R², and how many runs lie within their
+    ceiling's 95th percentile. ``None`` entries for an arm without a ceiling (the oracle)."""
     rs = [runs[s] for s in sorted(runs)]
     out: dict[str, Any] = {k: mean_ci([r["sr"]["errors"][k] for r in rs]) for k in ERRORS}
     out["r2"] = mean_ci([r["sr"]["power_law"]["r2"] for r in rs])

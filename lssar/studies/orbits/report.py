@@ -88,9 +88,8 @@ def _controls(results: list[dict[str, Any]], explore: dict[str, Any], tol: float
         on_pred = sum(bool(r["sr"]["gp"]["is_newton"]) for r in runs)
         lines.append(
             f"- The GP's formula has Newton's form (local exponents within {tol:g} of (1, 1, −2)) "
-            f"on one draw "
-            f"of the noise ceiling — the exact law seen through the probe's noise — in "
-            f"{on_ceiling}/{len(runs)} model runs, and on the predicted forces in "
+            f"on one draw of the noise ceiling — the exact law seen through the probe's noise — "
+            f"in {on_ceiling}/{len(runs)} model runs, and on the predicted forces in "
             f"{on_pred}/{len(runs)}."
         )
     if "oracle" in arms:
