@@ -180,6 +180,18 @@ def test_mask_must_broadcast_to_the_scores(mask_shape, tq, impl):
         lssar.attention(q, k, v, attn_mask=mask, variant="lssar", impl=impl)
 
 
+# 4b: the flags are bools on every implementation (a truthy 1 or "no" was causal on some,
+# a TypeError deep inside others)
+@pytest.mark.parametrize("flag", ["is_causal", "enable_gqa"])
+@pytest.mark.parametrize("value", [1, 0, "no", None, torch.tensor(True)])
+@pytest.mark.parametrize("impl", ["auto", *registry.IMPLS])
+def test_flags_must_be_bools(flag, value, impl):
+    q, k, v = _qkv(1, 2, 2, 6, 6, 8)
+    name = "lssar" if impl in ("auto", *registry.supporting("lssar")) else "softmax"
+    with pytest.raises(ValueError, match=f"^{flag} must be a bool"):
+        lssar.attention(q, k, v, variant=name, impl=impl, **{flag: value})
+
+
 # 5: masked keys, values and queries are never read
 @pytest.mark.parametrize("impl,name,opts", CASES)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])

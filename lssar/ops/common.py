@@ -35,6 +35,11 @@ def check_inputs(
     enable_gqa: bool,
 ) -> None:
     """Raise a ``ValueError`` naming the argument when the inputs break the attention contract."""
+    # flags are bools, as in SDPA: a truthy int, string or tensor was read as causal by some
+    # implementations and refused by others
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool (True or False), got {flag!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
