@@ -404,7 +404,7 @@ def attention(
             f"variant {v.name!r} uses the length scale ln(D) ln(N_i) and takes no `scale`; "
             "pass scale=None"
         )
-    if "s" in opts and hasattr(opts["s"], "dim") and opts["s"].dim() == 1:
+    if "s" in opts and isinstance(opts["s"], Tensor) and opts["s"].dim() == 1:
         if opts["s"].shape[0] not in (1, query.shape[1]):
             raise ValueError(
                 f"ssmax `s` must have one entry per query head ({query.shape[1]}), "
