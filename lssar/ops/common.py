@@ -114,6 +114,16 @@ def check_inputs(
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs lower-precision ops in on ``device_type``; None when it is off
+    (or the device has no autocast)."""
+    if not (
+        torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    ):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def causal_mask(t_q: int, t_k: int, device: torch.device, q_start: int = 0) -> Tensor:
     """Causal visibility ``(t_q, t_k)`` of query rows at absolute positions ``q_start + i``.
 
