@@ -3,6 +3,7 @@ the timings themselves live in benchmarks/RESULTS.md, never in tests)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib import util
@@ -15,6 +16,9 @@ def _run(script: str, *args: str) -> str:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
+        # this checkout's package: a script's own folder leads sys.path, so without it the
+        # scripts import whatever checkout the venv's editable install points at
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=600,
