@@ -57,7 +57,8 @@ def _attn(q, k, v, impl, name, opts, grad=True, **kw):
     out = lssar.attention(q, k, v, variant=name, impl=impl, **opts, **kw)
     if not grad:
         return [out.detach()]
-    proj = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    proj = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device)
+    proj = proj.reshape(out.shape)
     return [out.detach(), *torch.autograd.grad((out * proj).sum(), (q, k, v))]
 
 
@@ -155,6 +156,51 @@ def test_half_precision_within_the_rule(impl, name, opts, dtype):
     assert_within_rule(fast, ref, golden, sens, atol_rel=2 * torch.finfo(dtype).eps)
 
 
+# 3b: autocast makes the op its half-precision self (SDPA's rule: inputs cast to the autocast
+# dtype, then the op with autocast off), so every implementation keeps its float32 statistics
+# and GEMMs; autocast left on inside rounded the reference's and chunked's score and value
+# GEMMs to bf16 (LSSAR p=15 output errors 20-28x the same bf16 inputs without autocast)
+AUTOCAST_CASES = [c for c in CASES if c.values[0] != "triton"] + [
+    pytest.param(impl, name, opts, id=f"{impl}-{name}-{opts}")
+    for impl in CPU_GRAD_FREE & set(registry.IMPLS)
+    for name, opts in REPRESENTATIVES
+    if impl in registry.supporting(name, opts)
+]
+
+
+def _autocast_within_the_rule(impl, name, opts, device):
+    dtype = torch.bfloat16
+    grad = impl not in CPU_GRAD_FREE or device != "cpu"
+    q, k, v = _qkv(1, 2, 2, 130, 130, 32, seed=3)  # float32, as autocast's callers pass them
+    qh, kh, vh = (t.to(dtype) for t in (q, k, v))
+    q64, k64, v64 = (t.double() for t in (qh, kh, vh))
+    kw = dict(is_causal=True, grad=grad)
+    golden = _attn(q64, k64, v64, "reference", name, opts, **kw)
+
+    def run64(q, k, v):
+        return _attn(q, k, v, "reference", name, opts, **kw)
+
+    sens = rounding_sensitivity(run64, (q64, k64, v64), golden, dtype)
+    ref = _attn(qh, kh, vh, "reference", name, opts, **kw)  # the same inputs, no autocast
+    with torch.autocast(device, dtype=dtype):  # backward too: the harder case
+        fast = _attn(q.to(device), k.to(device), v.to(device), impl, name, opts, **kw)
+    fast = [t.cpu() for t in fast]  # the float64 baseline stays on the CPU
+    assert fast[0].dtype == dtype  # a lower-precision op, like SDPA under autocast
+    assert_within_rule(fast, ref, golden, sens, atol_rel=2 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("impl,name,opts", AUTOCAST_CASES)
+def test_cpu_autocast_is_the_bf16_op_within_the_rule(impl, name, opts):
+    _autocast_within_the_rule(impl, name, opts, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["reference", "chunked", "sdpa"])
+def test_cuda_autocast_is_the_bf16_op_within_the_rule(impl):
+    name = "softmax" if impl == "sdpa" else "lssar"
+    _autocast_within_the_rule(impl, name, {}, "cuda")
+
+
 @pytest.mark.parametrize(
     "impl,name,opts", [c for c in CASES if c.values[0] != "triton" and c.values[1] in COSINE]
 )
@@ -178,6 +224,18 @@ def test_mask_must_broadcast_to_the_scores(mask_shape, tq, impl):
     mask = torch.ones(mask_shape, dtype=torch.bool)
     with pytest.raises(ValueError, match="attn_mask"):
         lssar.attention(q, k, v, attn_mask=mask, variant="lssar", impl=impl)
+
+
+# 4b: the flags are bools on every implementation (a truthy 1 or "no" was causal on some,
+# a TypeError deep inside others)
+@pytest.mark.parametrize("flag", ["is_causal", "enable_gqa"])
+@pytest.mark.parametrize("value", [1, 0, "no", None, torch.tensor(True)])
+@pytest.mark.parametrize("impl", ["auto", *registry.IMPLS])
+def test_flags_must_be_bools(flag, value, impl):
+    q, k, v = _qkv(1, 2, 2, 6, 6, 8)
+    name = "lssar" if impl in ("auto", *registry.supporting("lssar")) else "softmax"
+    with pytest.raises(ValueError, match=f"^{flag} must be a bool"):
+        lssar.attention(q, k, v, variant=name, impl=impl, **{flag: value})
 
 
 # 5: masked keys, values and queries are never read

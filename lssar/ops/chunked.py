@@ -131,15 +131,23 @@ def _block_mask(
 
 
 def _weights(
-    qc: Tensor, k: Tensor, m: Tensor | None, n: Tensor, p: float | None, want_pm1: bool = False
+    q: Tensor,
+    c: Tensor,
+    k: Tensor,
+    m: Tensor | None,
+    n: Tensor,
+    p: float | None,
+    want_pm1: bool = False,
 ):
     """Unnormalised block weights ``num (B, H, rows, T_k)`` and their row sums ``den``.
 
-    ``qc`` is the query block already multiplied by its row scale ``c_i``, so ``s = qc @ k^T``.
-    The final weights are ``num / den``; callers divide the (small) output or gradient instead of
-    the slab. Also returns ``s`` and, for re-weighting, the statistics the backward needs.
+    ``s = (q @ k^T) c``: the row scale ``c_i`` after the GEMM, as the reference and the fused
+    kernel apply it (scaling ``q`` first rounds once more, and p = 15 amplifies that rounding
+    into gradient errors beyond the accuracy rule at T = 4-5). The final weights are
+    ``num / den``; callers divide the (small) output or gradient instead of the slab. Also
+    returns ``s`` and, for re-weighting, the statistics the backward needs.
     """
-    s = qc @ k.transpose(-1, -2)  # (B, H, rows, T_k)
+    s = (q @ k.transpose(-1, -2)) * c  # (B, H, rows, T_k)
     a = F.softplus(s)
     if m is not None:
         a = torch.where(m, a, 0.0)  # select, never multiply: masked inf/nan must not leak
@@ -238,8 +246,7 @@ def softplus_attention_op(
             return got[0].reshape(q.shape[:-1] + v.shape[-1:]).to(v.dtype)
     out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=dtype, device=q.device)
     for i0, i1, k_end, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype):
-        qc = qf[:, :, i0:i1] * c
-        _, num, den, _ = _weights(qc, kf[:, :, :k_end], m, n, p)
+        _, num, den, _ = _weights(qf[:, :, i0:i1], c, kf[:, :, :k_end], m, n, p)
         out[:, :, i0:i1] = (num @ vf[:, :, :k_end]) / den
     return out.to(v.dtype)  # q, k may arrive upcast (normalised in float32); v has the input's
 
@@ -277,12 +284,21 @@ def softplus_attention_backward_op(
     dk = torch.zeros_like(kf)
     dv = torch.zeros_like(vf)
     for i0, i1, k_end, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype):
-        qc, kb, vb, gb = qf[:, :, i0:i1] * c, kf[:, :, :k_end], vf[:, :, :k_end], g[:, :, i0:i1]
-        s, num, den, stats = _weights(qc, kb, m, n, p, want_pm1=True)
+        qb, kb, vb, gb = qf[:, :, i0:i1], kf[:, :, :k_end], vf[:, :, :k_end], g[:, :, i0:i1]
+        s, num, den, stats = _weights(qb, c, kb, m, n, p, want_pm1=True)
         g_den = gb / den  # P^T g = num^T (g / den)
         dp = g_den @ vb.transpose(-1, -2)  # dP / den  (B, H, rows, T_k)
+        if p is not None:
+            # dP - D = (dP - dP_top) - sum_j P_j (dP_j - dP_top) with top the row's largest
+            # weight: the same (sum_j P_j = 1), but a nearly one-hot row (p = 15, few keys) no
+            # longer cancels dP_top against D ~ dP_top. That rounding, amplified by p / x_max
+            # and spread over the row by F_i / N_i, reached every key's gradient; the
+            # reference's autograd cancels it through x_max (dq errors were up to 25x its own
+            # at T = 4, now as the reference's)
+            has = stats[2]  # rows that fall back to LSSA (not has) stay as LSSA's
+            dp = dp - torch.where(has, dp.gather(-1, num.argmax(-1, keepdim=True)), 0.0)
         # D_i = sum_j P_ij dP_ij from the same slab (not g_i.out_i): exact cancellation for
-        # one-key rows, where dP - D would otherwise be pure rounding amplified by p / x_max
+        # one-key rows (dP_top - D = 0)
         centred = dp - (num * dp).sum(-1, keepdim=True) / den  # (dP - D) / den
         shift = stats[0]
         if p is None:
@@ -299,9 +315,10 @@ def softplus_attention_backward_op(
         ds = da * (torch.sigmoid(s) if shift is None else torch.exp(F.logsigmoid(s) - shift))
         if m is not None:
             ds = torch.where(m, ds, 0.0)
+        ds = ds * c  # d/d(q.k): the row scale applied to the slab, as to the scores
         dv[:, :, :k_end] += num.transpose(-1, -2) @ g_den
-        dq[:, :, i0:i1] = (ds @ kb) * c
-        dk[:, :, :k_end] += ds.transpose(-1, -2) @ qc
+        dq[:, :, i0:i1] = ds @ kb
+        dk[:, :, :k_end] += ds.transpose(-1, -2) @ qb
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

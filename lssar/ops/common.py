@@ -24,6 +24,12 @@ from torch import Tensor
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def finite(x: float) -> bool:
+    """``math.isfinite`` by comparisons: under ``torch.compile(dynamic=True)`` a float option is
+    symbolic, and compares (a guard) but has no ``isfinite``. NaN fails both comparisons."""
+    return -math.inf < x < math.inf
+
+
 def check_inputs(
     query: Tensor,
     key: Tensor,
@@ -35,6 +41,11 @@ def check_inputs(
     enable_gqa: bool,
 ) -> None:
     """Raise a ``ValueError`` naming the argument when the inputs break the attention contract."""
+    # flags are bools, as in SDPA: a truthy int, string or tensor was read as causal by some
+    # implementations and refused by others
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool (True or False), got {flag!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -99,8 +110,18 @@ def check_inputs(
             )
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, (int, float)) and finite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs lower-precision ops in on ``device_type``; None when it is off
+    (or the device has no autocast)."""
+    if not (
+        torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    ):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def causal_mask(t_q: int, t_k: int, device: torch.device, q_start: int = 0) -> Tensor:
@@ -245,12 +266,12 @@ def hide_unseen(
     hq, hk = query.shape[1], key.shape[1]
     if seen_k.shape[1] == hq and hq != hk:  # GQA: a kv head is seen if any of its group sees it
         seen_k = seen_k.reshape(seen_k.shape[0], hk, hq // hk, *seen_k.shape[2:]).any(2)
+    # unconditional: skipping the select when nothing is hidden needs the mask's content on the
+    # host (a sync on GPU, a graph break under torch.compile), and the select is O(T D) next to
+    # attention's O(T^2 D)
     zero = torch.zeros((), dtype=query.dtype, device=query.device)
-    if not bool(seen_k.all()):
-        key, value = torch.where(seen_k, key, zero), torch.where(seen_k, value, zero)
-    if not bool(seen_q.all()):
-        query = torch.where(seen_q, query, zero)
-    return query, key, value
+    key, value = torch.where(seen_k, key, zero), torch.where(seen_k, value, zero)
+    return torch.where(seen_q, query, zero), key, value
 
 
 def expand_kv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lssar.ops.common import as_4d, check_inputs, hide_unseen
+from lssar.ops.common import as_4d, autocast_dtype, check_inputs, hide_unseen
 from lssar.ops.variants import VARIANTS, Variant
 
 # Below this many score entries per (batch, head) the materialised reference is as fast (measured
@@ -389,8 +389,41 @@ def attention(
         attend to; rows with ``N_i = 0`` (including ``T_k = 0``) are zero (never NaN), and masked
         keys, values and queries are never read (NaN padding cannot leak). Normalisation and
         statistics are computed in float32 for half-precision inputs.
+
+    Under ``torch.autocast`` (for the inputs' device) this is a lower-precision op, as SDPA is:
+    float16/bfloat16/float32 inputs are cast to autocast's dtype (float64 stays), and the
+    implementation runs with autocast off, so its own half-precision rules hold (upcast,
+    float32 statistics and GEMMs where it computes in float32); the output has autocast's dtype.
     """
     check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    device = query.device.type
+    low = autocast_dtype(device)
+    args = (attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, impl, impl_options)
+    if low is None:
+        return _attention(query, key, value, *args, options)
+    # one place for every implementation: left on, autocast would re-round the float32 score and
+    # value GEMMs inside the materialised and chunked paths to bf16 (LSSAR p=15 errors 10-25x)
+    if query.dtype != torch.float64:
+        query, key, value = (t.to(low) for t in (query, key, value))
+    with torch.autocast(device, enabled=False):
+        return _attention(query, key, value, *args, options)
+
+
+def _attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    variant: str,
+    impl: str,
+    impl_options: dict[str, Any] | None,
+    options: dict[str, Any],
+) -> Tensor:
+    """:func:`attention` after its checks, with autocast settled: route and run."""
     v, impl, opts, impl_opts = resolve(variant, impl, query, key, dropout_p, options, impl_options)
     attn_mask = as_4d(attn_mask)
     if attn_mask is not None and attn_mask.shape[-1] == 1 and key.shape[-2] > 1:
@@ -404,7 +437,7 @@ def attention(
             f"variant {v.name!r} uses the length scale ln(D) ln(N_i) and takes no `scale`; "
             "pass scale=None"
         )
-    if "s" in opts and hasattr(opts["s"], "dim") and opts["s"].dim() == 1:
+    if "s" in opts and isinstance(opts["s"], Tensor) and opts["s"].dim() == 1:
         if opts["s"].shape[0] not in (1, query.shape[1]):
             raise ValueError(
                 f"ssmax `s` must have one entry per query head ({query.shape[1]}), "

@@ -19,7 +19,10 @@ from typing import Any
 
 import torch
 
+from lssar.ops.common import finite
+
 PHIS = ("exp", "softplus", "relu", "sigmoid")
+
 SCALINGS = ("sdpa", "log_n", "ssmax")
 
 
@@ -70,13 +73,13 @@ class Variant:
         resolved = {**self.options, **options}
         p = resolved.get("p")
         if p is not None and not (
-            isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) and p > 0
+            isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p < math.inf
         ):
             raise ValueError(
                 f"p must be a finite float > 0 (or None for no re-weighting), got {p!r}"
             )
         bias = resolved.get("bias")
-        if bias is not None and not (isinstance(bias, (int, float)) and math.isfinite(bias)):
+        if bias is not None and not (isinstance(bias, (int, float)) and finite(bias)):
             raise ValueError(f"bias must be a finite float or None, got {bias!r}")
         s = resolved.get("s")
         if "s" in self.options and s is not None:
@@ -84,10 +87,16 @@ class Variant:
                 raise ValueError(f"s must be a float or a per-head tensor of shape [H], got {s!r}")
             if isinstance(s, torch.Tensor) and s.dim() > 1:
                 raise ValueError(f"s must be a per-head tensor of shape [H], got {tuple(s.shape)}")
-            finite = (
-                bool(torch.isfinite(s).all()) if isinstance(s, torch.Tensor) else math.isfinite(s)
-            )
-            if isinstance(s, bool) or not finite:
+            if not isinstance(s, torch.Tensor):
+                ok = finite(s)
+            elif torch.compiler.is_compiling():
+                # reading s on the host breaks the graph (a learnable s is traced): the compiled
+                # graph checks it when it runs instead, raising a RuntimeError there
+                torch._assert_async(torch.isfinite(s).all(), "ssmax s must be finite")
+                ok = True
+            else:
+                ok = bool(torch.isfinite(s).all())
+            if isinstance(s, bool) or not ok:
                 raise ValueError(f"s must be finite (a float or a per-head tensor), got {s!r}")
         return resolved
 

@@ -169,6 +169,7 @@ inline Reweight reweight_stats(const Problem& P, float n, float z, float a_max) 
 struct RowStats {
   float n, c, z, mu, x_max, den;
   bool big, has, underflow;
+  int64_t top;  // a key of the largest re-weighted weight (backward only)
 };
 
 // For the backward, `sig` (may alias `g`) receives sigmoid(s_ij) and `rpm1` r_ij^(p-1), so no
@@ -206,7 +207,7 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
   st.mu = rw.mu;
   st.x_max = rw.x_max;
   const Vec inv(1.f / st.x_max), mu(st.mu);
-  Vec ws(0.f);
+  Vec ws(0.f), best(0.f), best_at(0.f);  // per lane: largest w so far (> 0) and its key
   for (int64_t j = 0; j < e; j += Vec::size()) {
     const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
     const Vec r = at::vec::maximum(Vec::loadu(a + j, cnt) - mu, zero) * inv;
@@ -221,8 +222,22 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
     if (cnt < Vec::size()) w = Vec::set(zero, w, cnt);
     w.store(a + j, cnt);
     ws = ws + w;
+    if (rpm1) {  // keys as floats: exact below 2^24
+      const Vec more = w > best;
+      best = Vec::blendv(best, w, more);
+      best_at = Vec::blendv(best_at, Vec::arange(static_cast<float>(j), 1.f), more);
+    }
   }
   st.den = hsum(ws);
+  if (rpm1) {  // the row has signal, so its top key has r = 1 and w > 0 in some lane
+    float bw[Vec::size()], bk[Vec::size()];
+    best.store(bw);
+    best_at.store(bk);
+    int64_t l = 0;
+    for (int64_t m = 1; m < Vec::size(); ++m)
+      if (bw[m] > bw[l]) l = m;
+    st.top = static_cast<int64_t>(bk[l]);
+  }
   return st;
 }
 
@@ -459,13 +474,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
             std::fill(dp, dp + e_blk, 0.f);
             continue;
           }
+          const bool rw = P.reweight && st.has;
+          // re-weighted rows: dP - D taken about the top key's dP (chunked.py says why: a
+          // nearly one-hot row would cancel dP_top against D); 0 leaves LSSA rows as they were
+          const Vec shift(rw ? dp[st.top] : 0.f);
           Vec wdv(0.f);  // D_i / den from the same slab (exact cancellation on one-key rows)
           for (int64_t j = 0; j < e; j += Vec::size()) {
             const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
-            wdv = wdv + Vec::loadu(w + j, cnt) * Vec::loadu(dp + j, cnt);
+            wdv = wdv + Vec::loadu(w + j, cnt) * (Vec::loadu(dp + j, cnt) - shift);
           }
           const Vec D(hsum(wdv) / st.den), cv(st.c), zero(0.f);
-          const bool rw = P.reweight && st.has;
           float fn = 0.f;
           if (rw) {  // dx = p r^(p-1) (dP - D) / x_max, stored over dp; F_i its row sum
             const Vec kp(P.p / st.x_max);
@@ -474,7 +492,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
             for (int64_t j = 0; j < e; j += Vec::size()) {
               const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
               const Vec ok = lanes(mf, j, e);
-              const Vec dx = Vec::loadu(rp + j, cnt) * (Vec::loadu(dp + j, cnt) - D) * kp;
+              const Vec dx =
+                  Vec::loadu(rp + j, cnt) * (Vec::loadu(dp + j, cnt) - shift - D) * kp;
               dx.store(dp + j, cnt);
               fs = fs + Vec::blendv(zero, dx, ok);
             }
