@@ -99,7 +99,7 @@ def test_lock_names_a_live_holder_and_is_taken_over_when_it_dies(tmp_path: Path)
         with exclusive_lock(d, "run"):  # a lock whose process is gone is taken over
             assert json.loads((d / LOCK_FILE).read_text())["pid"] == os.getpid()
     with exclusive_lock(d, "run"):  # released at the end of the block
-        with pytest.raises(LockedError, match=r"already locked by this process \\(\\d+\\)"):
+        with pytest.raises(LockedError, match=r"already locked by this process \(\d+\)"):
             with exclusive_lock(d, "run"):
                 pass
 
