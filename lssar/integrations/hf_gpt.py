@@ -61,14 +61,22 @@ class LssarGPTConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
+        # HF names (hidden_size=...) arrive in kwargs; PretrainedConfig would set them after the
+        # checks below, so they are taken here and checked like the lssar names
+        alias = {k: kwargs.pop(a) for a, k in self.attribute_map.items() if a in kwargs}
+        n_layer, n_head = alias.get("n_layer", n_layer), alias.get("n_head", n_head)
+        n_kv_head, n_embd = alias.get("n_kv_head", n_kv_head), alias.get("n_embd", n_embd)
         self.vocab_size, self.n_layer, self.n_head = vocab_size, n_layer, n_head
-        self.n_kv_head = n_kv_head or n_head
+        self.n_kv_head = n_head if n_kv_head is None else n_kv_head  # 0 is an error, not "all"
         self.n_embd, self.mlp_ratio, self.dropout = n_embd, mlp_ratio, dropout
-        self.rope_base, self.head_dim = rope_base, n_embd // n_head
+        self.rope_base = rope_base
         self.attn, self.attn_options, self.attn_impl = attn, dict(attn_options or {}), attn_impl
         self.lssar_tokenizer, self.train_seq_len = lssar_tokenizer, train_seq_len
         self.use_cache = use_cache
-        self.gpt_config()  # validate now: a bad config.json fails at load, naming the field
+        # validate now (GPTConfig's checks: sizes, rope_base, attention): a bad config.json fails
+        # at load with a ValueError naming the field, before any size is divided or allocated
+        self.gpt_config()
+        self.head_dim = n_embd // n_head
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def gpt_config(self) -> GPTConfig:
