@@ -75,9 +75,21 @@ def atomic_write(
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+        if no_space(e):
             raise disk_full(path) from e
         raise
+
+
+def no_space(e: BaseException | None) -> bool:
+    """Whether ``e``, or an error it was raised from (``torch.save`` turns the ``OSError`` of a
+    full disk into a ``RuntimeError``), is a full disk or quota."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def disk_full(path: str | Path) -> DiskFullError:

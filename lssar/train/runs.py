@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lssar.model import GPT, GPTConfig
-from lssar.runio import atomic_write
+from lssar.runio import atomic_write, disk_full, no_space
 from lssar.train.config import BOOKKEEPING, TrainConfig
 
 CKPT_FORMAT = "lssar-ckpt"
@@ -60,23 +60,64 @@ def check_same_config(stored: dict[str, Any], cfg: TrainConfig, run_dir: Path) -
         )
 
 
+def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir/log.jsonl`` (none if it does not exist).
+
+    A torn last line (a run killed, or a disk that filled, in the middle of appending it) is
+    dropped with a warning naming the file; a damaged line before it is a ``ValueError`` naming
+    the file and the line.
+    """
+    path = Path(run_dir) / "log.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    if lines and not lines[-1].strip():
+        lines.pop()  # the newline that ends the last record
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("not a record with an integer step")
+        except (ValueError, UnicodeDecodeError) as e:
+            if i == len(lines):
+                print(f"warning: {path}: dropped a torn last line ({_one_line(e, 80)})")
+                break
+            raise ValueError(
+                f"{path} line {i} is damaged ({_one_line(e, 80)}): delete that line, or start "
+                "the run over with --no-resume"
+            ) from None
+        records.append(rec)
+    return records
+
+
 def init_run_dir(run_dir: Path, step: int, config: dict[str, Any], env: dict[str, Any]) -> None:
-    """Write config/env; keep the log up to ``step`` (the curve continues, no duplicates)."""
+    """Write config/env; keep the log up to ``step`` (the curve continues, no duplicates).
+
+    Call it holding the run's lock (:func:`lssar.runio.exclusive_lock`).
+    """
     (run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
     if step == 0:  # a fresh start: nothing of an earlier attempt may be resumed later
         for stale in ("ckpt/latest.pt", "ckpt/final.pt", "DONE"):
             (run_dir / stale).unlink(missing_ok=True)
-    log = run_dir / "log.jsonl"
-    lines = log.read_text().splitlines() if log.is_file() and step > 0 else []
-    kept = "".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step)
-    atomic_write(log, lambda f: f.write(kept.encode()))
+    kept = [r for r in read_log(run_dir) if r["step"] <= step] if step > 0 else []
+    text = "".join(json.dumps(r) + "\n" for r in kept)
+    atomic_write(run_dir / "log.jsonl", lambda f: f.write(text.encode()))
     write_json(run_dir / "config.json", config)
     write_json(run_dir / "env.json", env | {"start_step": step})
 
 
 def append_log(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(Path(run_dir) / "log.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """Append one record (one ``write``: a kill leaves at most a torn last line, which
+    :func:`read_log` drops)."""
+    path = Path(run_dir) / "log.jsonl"
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        if no_space(e):
+            raise disk_full(path) from e
+        raise
 
 
 def finish_run(run_dir: Path, step: int, tokens: int, val_loss: float) -> None:
