@@ -11,6 +11,7 @@ This module does not import the training loop: readers of runs need only it and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -134,6 +135,23 @@ def finish_run(run_dir: Path, step: int, tokens: int, val_loss: float) -> None:
 
 
 # ------------------------------------------------------------------------------- checkpoints
+
+# (resolved path, size, mtime_ns, inode) -> sha256: a checkpoint is hashed once per process
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file (a checkpoint), remembered while its size and mtime are unchanged."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 
 
 def save_checkpoint(path: Path, **state: Any) -> None:
