@@ -15,6 +15,7 @@ import errno
 import fcntl
 import json
 import os
+import pickle
 import platform
 import re
 import socket
@@ -112,6 +113,29 @@ def remove_stale_temps(directory: str | Path) -> list[Path]:
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, cut at ``limit`` characters."""
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def load_data(path: str | Path, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of a file read back from disk, as data only (``weights_only``: tensors,
+    numbers, strings, lists, tuples and dicts): a planted pickle cannot run code. A file that is
+    not such data is a ``ValueError`` saying why, in one line (for the caller's message)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:  # what weights_only refuses: a class, a function call
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" ({found[1]})" if found else ""
+        raise ValueError(
+            f"it holds Python objects{what}, not only tensors and plain data; it was not loaded, "
+            "as loading it could run code"
+        ) from e
+    except Exception as e:  # a damaged file: RuntimeError, EOFError, ...
+        raise ValueError(one_line(e)) from e
 
 
 # ----------------------------------------------------------------------------------- locks

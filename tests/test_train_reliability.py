@@ -212,3 +212,26 @@ def test_sample_refuses_bad_settings(data_dir, tmp_path, capsys) -> None:
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and what in err, (flags, err)
     assert main(["sample", str(run), "--top-k", "0", "--max-new-tokens", "3"]) == 0
+
+
+class _Planted:
+    """A pickle that, loaded with weights_only=False, creates a file: code run from a run dir."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_planted_checkpoint_is_refused_without_running_it(data_dir, tmp_path, capsys) -> None:
+    cfg = tiny(data_dir, tmp_path, run_name="p")
+    run = train(cfg, progress=False, _stop_after=2)
+    marker = tmp_path / "code-ran"
+    torch.save({"format": "lssar-ckpt", "model": _Planted(marker)}, run / "ckpt/latest.pt")
+    with pytest.raises(ValueError, match=r"latest\.pt is corrupt \(it holds Python objects"):
+        train(cfg, progress=False)
+    assert main(["sample", str(run), "--which", "latest"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could run code" in err
+    assert not marker.exists()

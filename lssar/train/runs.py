@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lssar.model import GPT, GPTConfig
-from lssar.runio import atomic_write, disk_full, no_space
+from lssar.runio import atomic_write, disk_full, load_data, no_space, one_line
 from lssar.train.config import BOOKKEEPING, TrainConfig
 
 CKPT_FORMAT = "lssar-ckpt"
@@ -30,11 +30,6 @@ CKPT_FORMAT = "lssar-ckpt"
 
 def write_json(path: Path, obj: Any) -> None:
     atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    s = " ".join(str(e).split()) or type(e).__name__
-    return s if len(s) <= limit else s[:limit] + "..."
 
 
 # --------------------------------------------------------------------------------- the run dir
@@ -82,10 +77,10 @@ def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
                 raise ValueError("not a record with an integer step")
         except (ValueError, UnicodeDecodeError) as e:
             if i == len(lines):
-                print(f"warning: {path}: dropped a torn last line ({_one_line(e, 80)})")
+                print(f"warning: {path}: dropped a torn last line ({one_line(e, 80)})")
                 break
             raise ValueError(
-                f"{path} line {i} is damaged ({_one_line(e, 80)}): delete that line, or start "
+                f"{path} line {i} is damaged ({one_line(e, 80)}): delete that line, or start "
                 "the run over with --no-resume"
             ) from None
         records.append(rec)
@@ -161,11 +156,9 @@ def save_checkpoint(path: Path, **state: Any) -> None:
 
 def load_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # a damaged file surfaces as RuntimeError, EOFError, pickle errors...
-        raise ValueError(
-            f"checkpoint {path} is corrupt ({_one_line(e)}): delete it or start a new run"
-        ) from e
+        ckpt = load_data(path, map_location)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path} is corrupt ({e}): delete it or start a new run") from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise ValueError(
             f"checkpoint {path} is not an lssar checkpoint: delete it or start a new run"
@@ -178,7 +171,7 @@ def load_model_state(model: GPT, ckpt: dict[str, Any], path: Path) -> None:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise ValueError(
-            f"checkpoint {path} does not fit this model ({_one_line(e)}): the "
+            f"checkpoint {path} does not fit this model ({one_line(e)}): the "
             "config's model shape differs; use a new --run_name"
         ) from e
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ from lssar.data.manifest import manifest_files
 from lssar.data.passkey import passkey_sample
 from lssar.model import GPT, sliding_window_mask
 from lssar.runio import atomic_write, child_path, environment
+from lssar.studies.common import code_digest
 from lssar.studies.lm.figures import label_of, plot_results
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
@@ -47,22 +46,10 @@ _EVAL_SOURCES = (
 )
 
 
-@functools.cache
 def eval_code_version() -> str:
     """A digest of the evaluation code (:data:`_EVAL_SOURCES`), stored with every evaluation; a
     cached evaluation made by other code is recomputed."""
-    root = Path(__file__).resolve().parents[2]  # the lssar package
-    h = hashlib.sha256()
-    for name in _EVAL_SOURCES:
-        path = root / name
-        files = (
-            sorted(f for f in path.rglob("*") if f.suffix in (".py", ".cpp"))
-            if path.is_dir()
-            else [path]
-        )
-        for f in files:
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
+    return code_digest(_EVAL_SOURCES)
 
 
 def window_of(window: int | None) -> Callable[[int], torch.Tensor | None]:

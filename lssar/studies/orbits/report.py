@@ -169,7 +169,7 @@ def _plots(groups: dict[str, list[dict[str, Any]]], out: Path, first_step: int) 
         )
         for ax, arm in zip(axes[0], model_arms):
             r = groups[arm][0]
-            with np.load(Path(r["run_dir"]) / "predictions.npz") as z:
+            with np.load(Path(r["run_dir"]) / "predictions.npz", allow_pickle=False) as z:
                 y, yh = z["log_f_true"].ravel(), z["log_f_pred"].ravel()
             sel = np.random.default_rng(0).choice(len(y), min(3000, len(y)), replace=False)
             ax.scatter(y[sel], yh[sel], s=3, alpha=0.4)
