@@ -495,6 +495,24 @@ def test_export_run_round_trip(tiny_run, tmp_path):
     assert main(["export-hf", str(tiny_run / "missing"), str(tmp_path / "x")]) == 2
 
 
+def test_export_never_touches_a_users_files(tiny_run, tmp_path, capsys):
+    from lssar.cli import main
+
+    mine = tmp_path / ".hf.tmp"  # the fixed temp name of an earlier version: a user's folder
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["export-hf", str(tiny_run), str(tmp_path / "hf")]) == 0
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.tmp", "hf"]  # no temp left
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"a file")
+    capsys.readouterr()  # the first export's progress output
+    assert main(["export-hf", str(tiny_run), str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a file, not a directory" in err
+    assert target.read_bytes() == b"a file"
+
+
 def test_bpe_tokenizer_export_matches_lssar(tmp_path):
     from lssar.data import get_tokenizer, train_bpe
 

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +298,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -
     from lssar.train.runs import load_run
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
     model, cfg, meta = load_run(run_dir, map_location="cpu", which=which)
@@ -305,16 +308,21 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -
     if tok.eot is not None:
         hf.generation_config.eos_token_id = tok.eot
         hf.generation_config.pad_token_id = tok.eot
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(tmp, safe_serialization=True)
-    hf_tokenizer(cfg.tokenizer, meta["data_dir"]).save_pretrained(tmp)
-    info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot, "step": meta["step"]}
-    (tmp / TOKENIZER_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)  # a complete directory or none
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a new directory of our own beside OUT (never a fixed name, which may be a user's)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        hf_tokenizer(cfg.tokenizer, meta["data_dir"]).save_pretrained(tmp)
+        info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot}
+        (tmp / TOKENIZER_INFO).write_text(json.dumps(info | {"step": meta["step"]}, indent=2))
+        tmp.chmod(0o755)  # mkdtemp's directory is private; an export is meant to be shared
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)  # a complete directory or none
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
