@@ -12,9 +12,10 @@ sliding window (locality control: does sharper attention alone explain a win?), 
 fine-tuned without pretraining, and the oracle (symbolic regression on the true forces).
 
 Every stage (pretraining, force probe, symbolic regression) of every arm and seed is cached in
-``runs/orbits-<preset>/<arm>-s<seed>/`` under a hash of everything it depends on, written
-atomically, so re-running reuses finished work, resumes after a kill at the last finished stage
-and recomputes only what a change of settings invalidates (:mod:`.cache`). The report
+``runs/orbits-<preset>/<arm>-s<seed>/`` under a hash of everything it depends on (settings,
+data, and a digest of the code that computes it), written atomically by one process at a time (a
+lock), so re-running reuses finished work, resumes after a kill at the last finished stage and
+recomputes only what a change of settings invalidates (:mod:`.cache`). The report
 (``reports/orbits-<preset>-<date>/``) is generated from those files (:mod:`.report`).
 
 This module is the runner; the arms, presets and ``--set`` parser live in :mod:`.presets` (and

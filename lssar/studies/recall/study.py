@@ -2,17 +2,17 @@
 :mod:`lssar.studies.recall.presets`).
 
 The model is :class:`lssar.studies.recall.model.RecallModel` (a GPT with a token shift; see that
-module for why). Every trained arm shares the task, model size, steps, learning-rate schedule and
-training batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only the
-attention differs. Every arm is scored on the same evaluation sequences. Training is fp32 (the
-CPUs this runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config hash>/``:
-``ckpt.pt`` (atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` + ``done.json``
-once finished, and one ``eval-*.json`` per evaluation rule; finished runs and evaluations are
-reused, unfinished runs resume from their checkpoint, and a changed setting gets a new hash
-(never a stale reuse). With ``jobs > 1`` the (seed, model) units train and evaluate in that many
-worker processes of one thread each (tiny models use one core far better than two threads do);
-the results do not depend on ``jobs``.
-"""
+module for why). Every trained arm shares the task, model size, steps, learning-rate schedule
+and training batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only
+the attention differs. Every arm is scored on the same evaluation sequences. Training is fp32
+(the CPUs this runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config
+hash>/``: ``ckpt.pt`` (atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` +
+``done.json`` once finished, and one ``eval-*.json`` per evaluation rule; finished runs are
+reused, unfinished runs resume from their checkpoint (one trainer per run: a lock), and a
+changed setting gets a new hash; an evaluation is reused only under its key (the model's sha256,
+the rule, the evaluation sequences and the code), never stale. With ``jobs > 1`` the (seed,
+model) units train and evaluate in that many worker processes of one thread each (tiny models
+use one core far better than two threads do); the results do not depend on ``jobs``."""
 
 from __future__ import annotations
 
