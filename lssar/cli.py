@@ -3,6 +3,8 @@
 Each subcommand lives beside the function it wraps (``module:function`` below takes the remaining
 argv and returns an exit code), so ``lssar --help`` imports nothing heavy. Bad input raises
 ``ValueError`` / ``FileNotFoundError`` inside; here it becomes one ``error:`` line and exit code 2.
+A failure of the environment (:class:`lssar.runio.RunFailure`: a directory locked by another
+process, a full disk, a run whose loss stopped being finite) is one ``error:`` line and exit 1.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from lssar.runio import RunFailure  # imported only now: `lssar --help` stays light
+
+        if not isinstance(e, RunFailure):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -43,6 +43,12 @@ def sliding_window_mask(
 SSMAX_S_INIT = 0.43  # Scalable-Softmax's per-head s at init (project choice)
 
 
+def _check_int(name: str, value: Any, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        hint = f" {alternative}" if alternative else ""
+        raise ValueError(f"{name}={value!r} must be a whole number >= 1{hint}")
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
@@ -58,6 +64,27 @@ class GPTConfig:
     attn_impl: str = "auto"
 
     def __post_init__(self) -> None:
+        # One check for every way a config arrives (train config, run checkpoint, HF config.json,
+        # studies): a zero, negative, non-integer or non-finite size would otherwise surface as a
+        # ZeroDivisionError, a torch shape error, or a model whose loss is NaN.
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd"):
+            _check_int(name, getattr(self, name))
+        if self.n_kv_head is not None:
+            _check_int("n_kv_head", self.n_kv_head, "(or None: as many as n_head)")
+        for name, ok, want in (
+            ("mlp_ratio", lambda x: x > 0, "> 0, e.g. 4"),
+            ("dropout", lambda x: 0 <= x < 1, "in [0, 1)"),
+            ("rope_base", lambda x: x > 0, "> 0, e.g. 10000"),
+        ):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise ValueError(f"{name}={x!r} must be a finite number {want}")
+            if not ok(x):
+                raise ValueError(f"{name}={x!r} must be {want}")
+        if int(self.mlp_ratio * self.n_embd) < 1:
+            raise ValueError(
+                f"mlp_ratio={self.mlp_ratio} x n_embd={self.n_embd} leaves the MLP no hidden unit"
+            )
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if (self.n_embd // self.n_head) % 2:
@@ -328,7 +355,22 @@ class GPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Sample ``max_new_tokens`` after the prompt ``idx (B, T)`` with a KV cache."""
+        """Sample ``max_new_tokens`` after the prompt ``idx (B, T)`` with a KV cache.
+
+        ``temperature`` 0 is greedy; ``top_k`` None samples from the whole vocabulary.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 0")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(
+                f"temperature={temperature} must be a finite number >= 0 (0 = greedy, e.g. 0.8)"
+            )
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+            raise ValueError(f"top_k={top_k!r} must be a whole number >= 1, or None")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k} must be >= 1 (or None: no top-k)")
         cache = KVCache(self.cfg.n_layer)
         logits, _ = self(idx, cache=cache)
         out = [idx]

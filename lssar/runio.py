@@ -1,20 +1,54 @@
-"""Files of runs and reports: atomic writes and the environment record of an invocation."""
+"""Files of runs, datasets and reports: atomic writes, directory locks, names that stay inside
+their parent, and the environment record of an invocation.
+
+Every writer of a run or dataset directory goes through :func:`atomic_write` (a reader sees the
+old file or the new one, never half of one; a full disk is :class:`DiskFullError`, with the old
+file intact) and holds the directory's :func:`exclusive_lock` (one writer at a time; the lock
+dies with its process). Failures of the environment rather than of the input (a held lock, a
+full disk) are :class:`RunFailure`: the CLI prints them as one ``error:`` line.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import json
 import os
+import pickle
 import platform
+import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+
+
+class RunFailure(Exception):
+    """A failure of the environment, not of the input (a held lock, a full disk, a diverged
+    run): the CLI prints it as one ``error:`` line and exits with 1."""
+
+
+class LockedError(RunFailure):
+    """The directory is locked by another live process (named in the message)."""
+
+
+class DiskFullError(RunFailure, OSError):
+    """No space (or quota) left while writing a file; the file's previous version is intact."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# atomic_write's temp files: ".<name>.<pid>.tmp"
+TEMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")
 
 
 def atomic_write(
@@ -24,6 +58,8 @@ def atomic_write(
 
     The content goes to ``.<name>.<pid>.tmp`` beside ``path``, is fsynced, then renamed over
     ``path``: a reader (or a run killed at any moment) sees the old file or the new one, never half.
+    A full disk raises :class:`DiskFullError` (the temp file removed, ``path`` unchanged); a
+    temp file left by a killed writer is removed by :func:`remove_stale_temps`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,10 +73,155 @@ def atomic_write(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if no_space(e):
+            raise disk_full(path) from e
         raise
+
+
+def no_space(e: BaseException | None) -> bool:
+    """Whether ``e``, or an error it was raised from (``torch.save`` turns the ``OSError`` of a
+    full disk into a ``RuntimeError``), is a full disk or quota."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_full(path: str | Path) -> DiskFullError:
+    """The error for a write to ``path`` that found no space left."""
+    return DiskFullError(
+        errno.ENOSPC,
+        f"no space left on the device writing {path} (its previous version, if any, is "
+        "intact): free some space and run the same command again",
+    )
+
+
+def remove_stale_temps(directory: str | Path) -> list[Path]:
+    """Delete the temp files of :func:`atomic_write` in ``directory`` (not below it), which a
+    writer killed mid-write leaves behind (a checkpoint-sized one, for a checkpoint). Call it only
+    while holding the directory's :func:`exclusive_lock`: then no live writer owns one."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    stale = [p for p in directory.iterdir() if TEMP_FILE.match(p.name) and p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, cut at ``limit`` characters."""
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def load_data(path: str | Path, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of a file read back from disk, as data only (``weights_only``: tensors,
+    numbers, strings, lists, tuples and dicts): a planted pickle cannot run code. A file that is
+    not such data is a ``ValueError`` saying why, in one line (for the caller's message)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:  # what weights_only refuses: a class, a function call
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" ({found[1]})" if found else ""
+        raise ValueError(
+            f"it holds Python objects{what}, not only tensors and plain data; it was not loaded, "
+            "as loading it could run code"
+        ) from e
+    except Exception as e:  # a damaged file: RuntimeError, EOFError, ...
+        raise ValueError(one_line(e)) from e
+
+
+# ----------------------------------------------------------------------------------- locks
+
+LOCK_FILE = ".lock"
+_HELD: set[str] = set()  # lock files this process holds (a second take would wait on itself)
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock at ``path``, from what the holder wrote into it."""
+    try:
+        info = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not isinstance(info, dict) or "pid" not in info:
+        return "another process"
+    since = f", since {info['since']}" if info.get("since") else ""
+    return f"pid {info['pid']} on host {info.get('host', '?')}{since}"
+
+
+@contextlib.contextmanager
+def exclusive_lock(directory: str | Path, what: str, wait: bool = False) -> Iterator[Path]:
+    """Hold ``directory``'s lock (``directory/.lock``, created with the directory) for the block.
+
+    The lock is an ``flock`` on that file, so the kernel drops it when its holder exits or is
+    killed: a lock left by a dead process is taken over, never waited on. The holder writes its
+    pid, host and start time into the file, so a refused caller is told who holds it. A held
+    lock raises :class:`LockedError` (``wait=False``), or is waited for with a message naming the
+    holder (``wait=True``). ``what`` names the directory in messages (``"run"``, ``"dataset"``).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    key = str(path.resolve())
+    if key in _HELD:
+        raise LockedError(f"{what} {directory} is already locked by this process ({os.getpid()})")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(path)
+            if not wait:
+                raise LockedError(
+                    f"{what} {directory} is in use by {holder}: wait for it to finish, or stop "
+                    f"it (a lock whose process has exited is taken over)"
+                ) from None
+            print(f"waiting for {holder}, which holds {what} {directory}", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        _HELD.add(key)
+        try:
+            yield path
+        finally:
+            _HELD.discard(key)
+    finally:
+        os.close(fd)  # releases the flock
+
+
+# ----------------------------------------------------------------------------------- names
+
+
+def child_path(parent: str | Path, name: str, what: str) -> Path:
+    """``parent / name`` for a ``name`` that is one plain path component (no separator, not
+    ``.`` or ``..``, not absolute), so that what is written there stays inside ``parent``.
+    ``what`` names the setting in the error (``"--run_name"``)."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name != name.strip()
+    ):
+        raise ValueError(
+            f"{what}={name!r} must be a plain name (no '/', '..' or surrounding spaces): it "
+            f"names a folder inside {parent}"
+        )
+    return Path(parent) / name
 
 
 def _git(*args: str) -> str | None:

@@ -41,18 +41,31 @@ def check_attention(attn: str, options: Mapping[str, Any], impl: str = "auto") -
     resolved = variant.resolve(dict(options))
     if impl != "auto" and impl not in IMPLS:
         raise ValueError(f"unknown attn_impl {impl!r}; valid: auto, {', '.join(IMPLS)}")
+    _check_runs(attn, options, impl, 0.0)
     return resolved
+
+
+def _check_runs(attn: str, options: Mapping[str, Any], impl: str, dropout_p: float) -> None:
+    if impl == "auto":
+        return
+    probe = torch.zeros(1, 1, 1, 2)  # (B, H, T, D)
+    resolve(attn, impl, probe, probe, dropout_p, dict(options))
+
+
+def check_runs(spec: AttentionSpec, dropout_p: float = 0.0) -> None:
+    """``ValueError`` (the registry's, naming the impls that do) unless the spec's impl runs its
+    variant with its options, and with dropout when ``dropout_p > 0`` (``auto`` always does).
+    It asks the registry's resolution, the one place that routes a call, with a one-token probe,
+    so ``attn="lssar", attn_impl="sdpa"`` is refused when it is configured (every spec is
+    checked so on construction), not at the first training step."""
+    _check_runs(spec.name, spec.options, spec.impl, dropout_p)
 
 
 def impl_runs(impl: str, attn: str, options: Mapping[str, Any]) -> bool:
     """Whether implementation ``impl`` runs variant ``attn`` with ``options`` here (``auto``
-    always): asks the registry's resolution, the one place that routes a call, with a
-    one-token probe."""
-    if impl == "auto":
-        return True
-    probe = torch.zeros(1, 1, 1, 2)  # (B, H, T, D)
+    always): :func:`check_runs` as a yes or no."""
     try:
-        resolve(attn, impl, probe, probe, 0.0, dict(options))
+        _check_runs(attn, options, impl, 0.0)
     except ValueError:
         return False
     return True

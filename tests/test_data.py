@@ -215,7 +215,7 @@ def test_interrupted_run_is_redone_cleanly(corpus_dir, tmp_path: Path, monkeypat
     (out / "train_099.bin").write_bytes(b"stale")
     (out / "notes.txt").write_text("user file, kept")
     prepare(str(root), "byte", out_dir=out, shard_tokens=2000, progress=False)
-    assert read_manifest(out, verify=True) == read_manifest(clean)
+    assert read_manifest(out, verify=True) == read_manifest(clean, verify=True)
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [p.name for p in clean.iterdir()] + ["notes.txt"]
     )

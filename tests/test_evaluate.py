@@ -101,6 +101,36 @@ def test_cached_evaluation_is_recomputed_when_the_evaluation_code_changes(runs, 
     assert again["loss"] == r["loss"]  # recomputed, and the same numbers
 
 
+def test_a_retrained_run_is_evaluated_again_not_read_from_the_cache(runs, tmp_path):
+    """Retrained with --no-resume and another seed (or lr): the same run dir and step, another
+    model; its cached evaluation is the old model's and must not be returned."""
+    cfg = dataclasses.replace(load_run(runs["softmax"])[1], out_dir=str(tmp_path), run_name="re")
+    run = train(cfg, progress=False)
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    first = evaluate.evaluate_run(run, [1, 2], **kw)
+    assert evaluate.evaluate_run(run, [1, 2], **kw) == first  # unchanged: reused
+    for change in ({"seed": 1}, {"lr": 5e-3}):
+        train(dataclasses.replace(cfg, **change), resume=False, progress=False)
+        again = evaluate.evaluate_run(run, [1, 2], **kw)
+        assert again["step"] == first["step"] and again["config"] != first["config"]
+        assert again["loss"] != first["loss"]
+        assert again["cache_key"]["checkpoint_sha256"] != first["cache_key"]["checkpoint_sha256"]
+        first = again
+
+
+def test_eval_tag_and_folder_stay_inside_the_run(runs, capsys):
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    for tag in ("../escaped", "/tmp/escaped", ".."):
+        with pytest.raises(ValueError, match=r"--tag=.* must be a plain name"):
+            evaluate.evaluate_run(runs["softmax"], [1], tag=tag, **kw)
+    with pytest.raises(ValueError, match=r"folder='\.\./x' must be a plain name"):
+        evaluate.evaluate_run(runs["softmax"], [1], folder="../x", **kw)
+    assert not (runs["softmax"] / "escaped").exists()
+    assert not (runs["softmax"].parent / "escaped").exists()
+    assert cli_main(["eval", str(runs["softmax"]), "--tag", "../escaped"]) == 2
+    assert "must be a plain name" in capsys.readouterr().err
+
+
 def test_uniform_attention_matches_the_uniform_baseline(runs):
     """With q = k = 0 softmax attends uniformly: entropy and first-token mass equal the printed
     uniform values, for full causal attention and for a sliding window."""

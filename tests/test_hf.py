@@ -402,8 +402,43 @@ def test_gpt_wrapper_bad_inputs():
         model(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3))
     with pytest.raises(ValueError, match="unknown attention variant"):
         hf.LssarGPTConfig(attn="nope")
+    with pytest.raises(ValueError, match=r"does not run variant 'lssar'"):
+        hf.LssarGPTConfig(attn="lssar", attn_impl="sdpa")
     with pytest.raises(ValueError, match="output_attentions=True is not supported"):
         model(torch.tensor([[1, 2]]), output_attentions=True)
+
+
+def test_hf_config_takes_hf_names_like_its_own():
+    cfg = hf.LssarGPTConfig(num_attention_heads=8, hidden_size=64, num_key_value_heads=2)
+    assert (cfg.n_head, cfg.n_embd, cfg.n_kv_head, cfg.head_dim) == (8, 64, 2, 8)
+    assert cfg.gpt_config().n_kv_head == 2
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(n_head=0), r"n_head=0 must be a whole number >= 1"),
+        (dict(num_attention_heads=-2), r"n_head=-2 must be"),
+        (dict(n_embd=-128), r"n_embd=-128 must be"),
+        (dict(hidden_size=0), r"n_embd=0 must be"),
+        (dict(n_kv_head=0), r"n_kv_head=0 must be"),
+        (dict(num_key_value_heads=-1), r"n_kv_head=-1 must be"),
+        (dict(mlp_ratio=0.0), r"mlp_ratio=0.0 must be > 0"),
+        (dict(n_layer=0), r"n_layer=0 must be"),
+        (dict(rope_base=0.0), r"rope_base=0.0 must be > 0"),
+    ],
+)
+def test_hf_config_refuses_bad_sizes(kw, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        hf.LssarGPTConfig(**kw)
+    # the same from a config.json on disk (what from_pretrained reads)
+    cfg = hf.LssarGPTConfig().to_dict()
+    names = {"num_attention_heads": "n_head", "hidden_size": "n_embd"}
+    names["num_key_value_heads"] = "n_kv_head"
+    cfg.update({names.get(k, k): v for k, v in kw.items()})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        hf.LssarGPTConfig.from_pretrained(tmp_path)
 
 
 # ------------------------------------------------------------------------------ export
@@ -458,6 +493,24 @@ def test_export_run_round_trip(tiny_run, tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         hf.export_run(tiny_run, out)
     assert main(["export-hf", str(tiny_run / "missing"), str(tmp_path / "x")]) == 2
+
+
+def test_export_never_touches_a_users_files(tiny_run, tmp_path, capsys):
+    from lssar.cli import main
+
+    mine = tmp_path / ".hf.tmp"  # the fixed temp name of an earlier version: a user's folder
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["export-hf", str(tiny_run), str(tmp_path / "hf")]) == 0
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.tmp", "hf"]  # no temp left
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"a file")
+    capsys.readouterr()  # the first export's progress output
+    assert main(["export-hf", str(tiny_run), str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a file, not a directory" in err
+    assert target.read_bytes() == b"a file"
 
 
 def test_bpe_tokenizer_export_matches_lssar(tmp_path):

@@ -158,3 +158,30 @@ def test_lm_eval_cli_offline_on_a_run(tmp_path):
     assert lm.model.attn_spec == AttentionSpec("lssar", {"p": 3.0}) and lm.max_length == 32
     assert main(["lm-eval", str(run), "--tasks", "lssar_nope", "--out", str(out)]) == 2
     assert main(["lm-eval", str(run), "--tasks", "lssar_passkey", "--limit", "0"]) == 2
+
+
+def test_planted_task_files_in_the_run_dir_are_never_imported(tmp_path):
+    """RUN/lm_eval/tasks/ was once the include path as found: a planted YAML there, in the
+    tag the user asks for, imported a planted Python file."""
+    from lssar.cli import main
+
+    run = make_tiny_run(tmp_path)
+    planted = run / "lm_eval" / "tasks"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "code-ran"
+    (planted / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef doc_to_text(doc):\n    return ''\n"
+    )
+    (planted / "evil.yaml").write_text(
+        "task: lssar_zz_planted\ntag: [lssar_local]\ndataset_path: json\n"
+        f"dataset_kwargs: {{data_files: {{test: {planted / 'x.jsonl'}}}}}\ntest_split: test\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: !function evil.doc_to_text\n"
+        "doc_to_target: text\n"
+    )
+    (planted / "x.jsonl").write_text('{"text": "hello"}\n')
+    argv = ["lm-eval", str(run), "--tasks", "lssar_local", "--limit", "1", "--n-docs", "2"]
+    argv += ["--bootstrap-iters", "0", "--max-length", "128"]
+    assert main(argv) == 0
+    assert not marker.exists()
+    results = json.loads((run / "lm_eval" / "results-lssa.json").read_text())["results"]
+    assert "lssar_zz_planted" not in results and "lssar_passkey" in results

@@ -78,11 +78,48 @@ def test_attention_can_be_switched_for_evaluation():
         (dict(n_kv_head=3), "divisible by n_kv_head"),
         (dict(attn="nope"), "valid variants"),
         (dict(attn="ssmax", attn_options={"s": 1.0}), "learned parameter"),
+        # sizes that once reached a ZeroDivisionError, a torch shape error or a silent n_head
+        (dict(n_head=0), r"n_head=0 must be a whole number >= 1"),
+        (dict(n_head=-4), r"n_head=-4 must be"),
+        (dict(n_embd=-32), r"n_embd=-32 must be"),
+        (dict(n_embd=0), r"n_embd=0 must be"),
+        (dict(n_kv_head=0), r"n_kv_head=0 must be .*or None"),
+        (dict(n_layer=0), r"n_layer=0 must be"),
+        (dict(vocab_size=0), r"vocab_size=0 must be"),
+        (dict(n_head=2.0), r"n_head=2.0 must be a whole number"),
+        (dict(mlp_ratio=0), r"mlp_ratio=0 must be > 0"),
+        (dict(mlp_ratio=-1.0), r"mlp_ratio=-1.0 must be > 0"),
+        (dict(mlp_ratio=0.01), r"leaves the MLP no hidden unit"),
+        (dict(mlp_ratio=float("nan")), r"mlp_ratio=nan must be a finite number"),
+        (dict(rope_base=0.0), r"rope_base=0.0 must be > 0"),
+        (dict(rope_base=-10.0), r"rope_base=-10.0 must be > 0"),
+        (dict(rope_base=float("inf")), r"rope_base=inf must be a finite number"),
+        (dict(dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),
+        (dict(dropout=float("nan")), r"dropout=nan must be a finite number"),
+        # an impl that cannot run the variant: refused when configured, not at the first step
+        (dict(attn="lssar", attn_impl="sdpa"), r"impl 'sdpa' does not run variant 'lssar'"),
     ],
 )
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**{"n_embd": 32, "n_head": 4, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(temperature=float("nan")), r"temperature=nan must be a finite number >= 0"),
+        (dict(temperature=float("inf")), r"temperature=inf must be a finite number"),
+        (dict(temperature=-1.0), r"temperature=-1.0 must be"),
+        (dict(top_k=-5), r"top_k=-5 must be >= 1"),
+        (dict(top_k=0), r"top_k=0 must be >= 1 \(or None"),
+        (dict(max_new_tokens=-1), r"max_new_tokens=-1 must be >= 0"),
+    ],
+)
+def test_generate_refuses_bad_sampling_settings(kw, match):
+    model = _model("softmax")
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.tensor([[1, 2]]), **{"max_new_tokens": 3, **kw})
 
 
 def test_token_ids_out_of_range():

@@ -95,11 +95,50 @@ def test_oracle_recovers_newton_exactly(micro):
 def test_rerun_reuses_every_stage(micro):
     out, _ = micro
     runs = out / "runs" / "orbits-quick"
-    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file()}
+
+    def stamps():  # the lock file names its latest holder: it is rewritten on every run
+        return {
+            p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"
+        }
+
+    before = stamps()
     again = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
     assert again["computed"] == []
-    after = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file()}
-    assert after == before
+    assert stamps() == before
+
+
+def test_changed_code_recomputes_every_stage(micro, tmp_path, monkeypatch):
+    src, _ = micro
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    monkeypatch.setattr(ex, "code_digest", lambda sources: "other-code")
+    again = ex.run_experiment("quick", ["softmax", "oracle"], [0], out, MICRO, progress=False)
+    assert again["computed"] == [
+        "softmax-s0:pretrain",
+        "softmax-s0:probe",
+        "softmax-s0:sr",
+        "oracle-s0:sr",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ("data.nope=1", r"unknown setting 'data\.nope'; valid data\.<field>: G, a_range"),
+        ("pretrain_steps=-5", r"pretrain_steps=-5 must be a whole number >= 1"),
+        ("finetune_steps=0", r"finetune_steps=0 must be a whole number >= 1"),
+        ("finetune_lr=nan", r"finetune_lr=nan must be a finite number > 0"),
+        ("window=0", r"window=0 must be"),
+        ("r2_min=2", r"r2_min=2.0 must be in \[0, 1\]"),
+    ],
+)
+def test_bad_set_is_one_error_line_before_anything_is_written(setting, match, tmp_path, capsys):
+    with pytest.raises(ValueError, match=match):
+        ex.resolve_preset("quick", ex.parse_set([setting]))
+    assert main(["orbits", "--out", str(tmp_path), "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_changed_setting_recomputes_only_later_stages(micro, tmp_path):

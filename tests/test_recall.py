@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -284,3 +285,60 @@ def test_parallel_jobs_give_the_same_rows(tmp_path):
     acc1 = np.array([r["accuracy"] for r in rows1])
     acc2 = np.array([r["accuracy"] for r in rows2])
     assert np.abs(acc1 - acc2).max() <= 1 / 6  # one flipped near-tie at most (threads differ)
+
+
+# ------------------------------------------------------------- files read back (issue #22)
+
+
+class _Planted:
+    """A pickle that, loaded with weights_only=False, creates a file: code run from a run dir."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_planted_checkpoint_is_read_as_data_and_never_run(tmp_path):
+    cfg = tiny(arms=("lssa",))
+    rd = run_dir(tmp_path / "runs", cfg, ARMS["lssa"], 0)
+    rd.mkdir(parents=True)
+    marker = tmp_path / "code-ran"
+    torch.save({"model": _Planted(marker)}, rd / "ckpt.pt")
+    with pytest.raises(ValueError, match=r"ckpt\.pt is damaged or not this study's.*delete it"):
+        train_arm(cfg, ARMS["lssa"], 0, tmp_path / "runs", progress=False)
+    assert not marker.exists()
+    (rd / "ckpt.pt").unlink()
+    train_arm(cfg, ARMS["lssa"], 0, tmp_path / "runs", progress=False, stop_after=2)
+    half = rd / ".ckpt.pt.4242.tmp"  # a checkpoint write that was killed: removed on resume
+    half.write_bytes(b"partial")
+    _, done = train_arm(cfg, ARMS["lssa"], 0, tmp_path / "runs", progress=False)
+    assert done["finished"] and not half.exists()
+
+
+def test_recall_eval_cache_is_keyed_by_model_and_sequences(tmp_path):
+    from lssar.studies.recall.study import evaluate_arm
+
+    cfg, arm = tiny(arms=("lssa",)), ARMS["lssa"]
+    model, _ = train_arm(cfg, arm, 0, tmp_path / "runs", progress=False)
+    rd = run_dir(tmp_path / "runs", cfg, arm, 0)
+    first = evaluate_arm(model, cfg, arm, None, rd)
+    assert evaluate_arm(model, cfg, arm, None, rd) == first  # reused
+    # eval_batch cuts the evaluation into seeded chunks: other sequences, same cache file name
+    other = tiny(arms=("lssa",), eval_batch=2)
+    again = evaluate_arm(model, other, arm, None, rd)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "model.pt").write_bytes((rd / "model.pt").read_bytes())
+    assert again == evaluate_arm(model, other, arm, None, fresh) != first
+    # a retrained model (other weights in model.pt) is scored again
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1)
+    torch.save(model.state_dict(), rd / "model.pt")
+    evaluate_arm(model, other, arm, None, rd)
+    stored = json.loads((rd / "eval-trained-6.json").read_text())
+    assert (
+        stored["key"]["model_sha256"] == hashlib.sha256((rd / "model.pt").read_bytes()).hexdigest()
+    )

@@ -1,4 +1,14 @@
-"""The on-disk dataset format: its constants, the manifest and file checksums."""
+"""The on-disk dataset format: its constants, the manifest (checked field by field), and the
+verification of file checksums on first use.
+
+A manifest is read as untrusted input: every field a reader uses is checked for its type and
+range, and every file it names must be a plain name inside the dataset directory, so a damaged or
+planted manifest is a ``ValueError`` naming the file and the field, never a ``KeyError`` or a read
+outside the dataset. The sha256 of every shard (and of a trained tokenizer) is checked the first
+time it is used (:func:`verify_files`), and the result is remembered, in this process and in
+``.verified.json`` beside the manifest, for as long as the file's size and modification time are
+unchanged: a bit-flipped or replaced file is refused, a verified one is not hashed again.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +20,19 @@ from typing import Any
 
 import numpy as np
 
+from lssar.runio import atomic_write
+
 FORMAT = "lssar-tokens"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"  # a tokenizer trained for the dataset (bpe-<N>)
 SPLITS = ("train", "val")
+VERIFIED = ".verified.json"
+DTYPES = ("uint16", "uint32")
 _PARTIAL = re.compile(r"^(\..+\.\d+\.tmp|(train|val)_\d+\.bin)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# (resolved path, size, mtime_ns, inode) -> sha256 verified by this process
+_VERIFIED_HERE: dict[tuple[str, int, int, int], str] = {}
 
 
 def _sha256_file(path: Path) -> str:
@@ -25,8 +43,64 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _check(ok: bool, path: Path, data_dir: str | Path, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{path} is malformed ({what}): delete {data_dir} and prepare it again")
+
+
+def _is_int(x: Any, low: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _check_fields(m: dict[str, Any], path: Path, data_dir: str | Path) -> None:
+    """Every field a reader of the dataset uses, by type and range; shard names confined."""
+    for key in ("corpus", "tokenizer"):
+        _check(isinstance(m.get(key), str), path, data_dir, f"{key!r} must be a string")
+    _check(_is_int(m.get("vocab_size"), 1), path, data_dir, "'vocab_size' must be an int >= 1")
+    _check(m.get("dtype") in DTYPES, path, data_dir, f"'dtype' must be one of {DTYPES}")
+    _check(m.get("eot") is None or _is_int(m.get("eot")), path, data_dir, "'eot' must be an int")
+    sep = m.get("doc_separator")
+    _check(
+        isinstance(sep, list) and all(_is_int(i) for i in sep),
+        path,
+        data_dir,
+        "'doc_separator' must be a list of token ids",
+    )
+    for key in ("total_tokens", "n_documents"):
+        _check(_is_int(m.get(key)), path, data_dir, f"{key!r} must be an int >= 0")
+    if "tokenizer_sha256" in m:
+        ok = isinstance(m["tokenizer_sha256"], str) and _SHA256.match(m["tokenizer_sha256"])
+        _check(bool(ok), path, data_dir, "'tokenizer_sha256' must be a sha256 hex digest")
+    splits = m.get("splits")
+    _check(
+        isinstance(splits, dict) and all(isinstance(splits.get(s), dict) for s in SPLITS),
+        path,
+        data_dir,
+        f"'splits' must hold {' and '.join(SPLITS)}",
+    )
+    for split in SPLITS:
+        sp, where = splits[split], f"splits.{split}"
+        _check(_is_int(sp.get("tokens")), path, data_dir, f"{where}.tokens must be an int >= 0")
+        shards = sp.get("shards")
+        _check(isinstance(shards, list), path, data_dir, f"{where}.shards must be a list")
+        for i, s in enumerate(shards):
+            at = f"{where}.shards[{i}]"
+            _check(isinstance(s, dict), path, data_dir, f"{at} must be an object")
+            name = s.get("file")
+            # a plain file name: the manifest may not point outside its dataset ("../x", "/etc")
+            plain = isinstance(name, str) and name not in ("", ".", "..")
+            plain = plain and "/" not in name and "\\" not in name and "\0" not in name
+            _check(plain, path, data_dir, f"{at}.file must be a file name in the dataset")
+            _check(_is_int(s.get("tokens")), path, data_dir, f"{at}.tokens must be an int >= 0")
+            ok = isinstance(s.get("sha256"), str) and _SHA256.match(s["sha256"])
+            _check(bool(ok), path, data_dir, f"{at}.sha256 must be a sha256 hex digest")
+        total = sum(s["tokens"] for s in shards)
+        _check(total == sp["tokens"], path, data_dir, f"{where}.tokens != the sum of its shards")
+
+
 def read_manifest(data_dir: str | Path, verify: bool = False) -> dict[str, Any]:
-    """The manifest of a prepared dataset; shard sizes are checked, sha256 too if ``verify``."""
+    """The manifest of a prepared dataset, its fields checked; every shard must exist with the
+    size it declares. ``verify=True`` also checks every file's sha256 (:func:`verify_files`)."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"no {MANIFEST} in {data_dir}: run prepare / `lssar prepare`")
@@ -40,6 +114,7 @@ def read_manifest(data_dir: str | Path, verify: bool = False) -> dict[str, Any]:
         raise ValueError(
             f"{path}: format version {m.get('version')} != {FORMAT_VERSION}, prepare again"
         )
+    _check_fields(m, path, data_dir)
     itemsize = np.dtype(m["dtype"]).itemsize
     for split in SPLITS:
         for shard in m["splits"][split]["shards"]:
@@ -48,6 +123,55 @@ def read_manifest(data_dir: str | Path, verify: bool = False) -> dict[str, Any]:
                 raise FileNotFoundError(f"shard {f} is missing: {redo}")
             if f.stat().st_size != shard["tokens"] * itemsize:
                 raise ValueError(f"shard {f} has the wrong size: {redo}")
-            if verify and _sha256_file(f) != shard["sha256"]:
-                raise ValueError(f"shard {f} fails its sha256 check: {redo}")
+    if verify:
+        verify_files(data_dir, m)
     return m
+
+
+def manifest_files(m: dict[str, Any], splits: tuple[str, ...] = SPLITS) -> dict[str, str]:
+    """``file name -> sha256`` of the shards of ``splits`` (and the trained tokenizer's file)."""
+    files = {s["file"]: s["sha256"] for split in splits for s in m["splits"][split]["shards"]}
+    if "tokenizer_sha256" in m:
+        files[TOKENIZER_FILE] = m["tokenizer_sha256"]
+    return files
+
+
+def verify_files(
+    data_dir: str | Path, m: dict[str, Any], files: dict[str, str] | None = None
+) -> None:
+    """Check the sha256 of ``files`` (``name -> sha256``; default every file of the manifest
+    ``m``) in ``data_dir``; ``ValueError`` naming the first that fails.
+
+    A file whose (size, modification time, inode) is unchanged since it last passed, in this
+    process or in any process that could record it in ``data_dir/.verified.json``, is not hashed
+    again: the check costs one read of each file when a dataset is first used.
+    """
+    data_dir = Path(data_dir)
+    files = manifest_files(m) if files is None else files
+    record_path = data_dir / VERIFIED
+    try:
+        record = json.loads(record_path.read_text())
+        record = record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        record = {}
+    changed = False
+    for name, want in files.items():
+        f = data_dir / name
+        st = f.stat()
+        sig = [st.st_size, st.st_mtime_ns, st.st_ino]
+        here = (str(f.resolve()), *sig)
+        if _VERIFIED_HERE.get(here) == want or record.get(name) == [*sig, want]:
+            _VERIFIED_HERE[here] = want
+            continue
+        if _sha256_file(f) != want:
+            raise ValueError(
+                f"{f} fails its sha256 check (it changed after it was prepared): delete "
+                f"{data_dir} and prepare it again"
+            )
+        _VERIFIED_HERE[here] = want
+        record[name], changed = [*sig, want], True
+    if changed:
+        try:  # a read-only dataset is still verified, only not remembered across processes
+            atomic_write(record_path, json.dumps(record, indent=1) + "\n")
+        except OSError:
+            pass

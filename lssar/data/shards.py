@@ -22,10 +22,12 @@ from lssar.data.manifest import (
     MANIFEST,
     SPLITS,
     _sha256_file,
+    manifest_files,
     read_manifest,
+    verify_files,
 )
 from lssar.data.tokenizers import TOKENIZER_FILE, _bpe_size, get_tokenizer, train_bpe
-from lssar.runio import atomic_write
+from lssar.runio import DiskFullError, atomic_write, exclusive_lock
 
 
 def _write_shard(path: Path, arr: np.ndarray) -> dict[str, Any]:
@@ -107,26 +109,59 @@ def prepare(
         raise ValueError(f"need max_tokens >= 2 and max_docs >= 1, got {max_tokens=} {max_docs=}")
     if shard_tokens < 1 or seed < 0:
         raise ValueError(f"need shard_tokens >= 1 and seed >= 0, got {shard_tokens=} {seed=}")
-    bpe_size = _bpe_size(tokenizer)
+    _bpe_size(tokenizer)  # a bad tokenizer name fails before the corpus is read
     corpus_id, docs, n_docs_known = _resolve_corpus(corpus)
     out = Path(out_dir) if out_dir is not None else Path("data") / f"{_slug(corpus)}-{tokenizer}"
     key = dict(corpus=corpus_id, tokenizer=tokenizer, val_fraction=val_fraction, seed=seed)
     key.update(max_tokens=max_tokens, max_docs=max_docs)  # a complete dataset is reused iff equal
     if (out / MANIFEST).exists():
-        m = read_manifest(out)
-        if (m["corpus"], m["tokenizer"]) != (corpus_id, tokenizer):
-            had = f"corpus {m['corpus']!r} with tokenizer {m['tokenizer']!r}"
-        else:
-            had = ", ".join(f"{k}={m.get(k)!r}" for k in key if m.get(k) != key[k])
-            had = had and f"a dataset prepared with {had}"
-        if had:
-            raise ValueError(f"{out} already holds {had}: use another out_dir (--out) or delete it")
-        return out
+        return _reuse(out, key)
+    # One preparer per dataset: a second one (two trainings started together on a fresh
+    # machine) waits, naming the first, then reuses what it wrote; without the lock each
+    # deleted the other's shards as leftovers of a broken run.
+    with exclusive_lock(out, "dataset", wait=True):
+        if (out / MANIFEST).exists():  # prepared by the process we waited for
+            return _reuse(out, key)
+        for stale in out.iterdir():  # no manifest: whatever shards are here are from a broken run
+            if _PARTIAL.match(stale.name):
+                stale.unlink()
+        try:
+            _write(out, key, docs, n_docs_known, corpus, tokenizer, progress, shard_tokens)
+        except DiskFullError:
+            for partial in out.iterdir():  # useless without a manifest: give the space back
+                if _PARTIAL.match(partial.name):
+                    partial.unlink()
+            raise
+    return out
 
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.iterdir():  # no manifest: whatever shards are here are from a broken run
-        if _PARTIAL.match(stale.name):
-            stale.unlink()
+
+def _reuse(out: Path, key: dict[str, Any]) -> Path:
+    """``out`` if its complete dataset was prepared with the settings ``key``, else ValueError."""
+    m = read_manifest(out)
+    if (m["corpus"], m["tokenizer"]) != (key["corpus"], key["tokenizer"]):
+        had = f"corpus {m['corpus']!r} with tokenizer {m['tokenizer']!r}"
+    else:
+        had = ", ".join(f"{k}={m.get(k)!r}" for k in key if m.get(k) != key[k])
+        had = had and f"a dataset prepared with {had}"
+    if had:
+        raise ValueError(f"{out} already holds {had}: use another out_dir (--out) or delete it")
+    return out
+
+
+def _write(
+    out: Path,
+    key: dict[str, Any],
+    docs: Any,
+    n_docs_known: int | None,
+    corpus: str,
+    tokenizer: str,
+    progress: bool,
+    shard_tokens: int,
+) -> None:
+    """Tokenize into ``out`` (its lock held): the shards, then the manifest, last."""
+    val_fraction, seed = key["val_fraction"], key["seed"]
+    max_tokens, max_docs = key["max_tokens"], key["max_docs"]
+    bpe_size = _bpe_size(tokenizer)
 
     def doc_stream() -> Iterator[tuple[str, str]]:
         return _assign_splits(islice(docs(), max_docs), val_fraction, seed)
@@ -194,7 +229,6 @@ def prepare(
     if bpe_size is not None:
         manifest["tokenizer_sha256"] = _sha256_file(out / TOKENIZER_FILE)
     atomic_write(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-    return out
 
 
 def _capped(texts: Iterable[str], chars: int) -> Iterator[str]:
@@ -206,10 +240,14 @@ def _capped(texts: Iterable[str], chars: int) -> Iterator[str]:
 
 
 def load_split(data_dir: str | Path, split: str) -> np.ndarray:
-    """All tokens of ``split`` ("train" or "val") as one 1-D array (a memmap if one shard)."""
+    """All tokens of ``split`` ("train" or "val") as one 1-D array (a memmap if one shard).
+
+    The shards' sha256 are checked on first use (:func:`lssar.data.manifest.verify_files`).
+    """
     if split not in SPLITS:
         raise ValueError(f"split {split!r} must be one of {SPLITS}")
     m = read_manifest(data_dir)
+    verify_files(data_dir, m, manifest_files(m, (split,)))  # once per file (remembered)
     dtype = np.dtype(m["dtype"]).newbyteorder("<")
     arrays = [
         np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r")

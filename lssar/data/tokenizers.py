@@ -11,11 +11,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from lssar.data.manifest import MANIFEST, _sha256_file, read_manifest
+from lssar.data.manifest import MANIFEST, TOKENIZER_FILE, _sha256_file, read_manifest, verify_files
 from lssar.runio import atomic_write
 
 EOT_TEXT = "<|endoftext|>"
-TOKENIZER_FILE = "tokenizer.json"
 # sha256 of the GPT-2 files (the same hashes tiktoken pins for its download of these files).
 _GPT2_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -159,8 +158,11 @@ def get_tokenizer(name: str, corpus_dir: str | Path | None = None) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: prepare(..., tokenizer={name!r}) trains it")
     if (Path(corpus_dir) / MANIFEST).is_file():
-        if (other := read_manifest(corpus_dir)["tokenizer"]) != name:
+        m = read_manifest(corpus_dir)
+        if (other := m["tokenizer"]) != name:
             raise ValueError(f"{corpus_dir} holds a dataset for tokenizer {other!r}, not {name!r}")
+        if "tokenizer_sha256" in m:  # the file the dataset was tokenized with, unchanged
+            verify_files(corpus_dir, m, {TOKENIZER_FILE: m["tokenizer_sha256"]})
     return BPETokenizer(path, name)
 
 

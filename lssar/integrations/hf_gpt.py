@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +62,22 @@ class LssarGPTConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
+        # HF names (hidden_size=...) arrive in kwargs; PretrainedConfig would set them after the
+        # checks below, so they are taken here and checked like the lssar names
+        alias = {k: kwargs.pop(a) for a, k in self.attribute_map.items() if a in kwargs}
+        n_layer, n_head = alias.get("n_layer", n_layer), alias.get("n_head", n_head)
+        n_kv_head, n_embd = alias.get("n_kv_head", n_kv_head), alias.get("n_embd", n_embd)
         self.vocab_size, self.n_layer, self.n_head = vocab_size, n_layer, n_head
-        self.n_kv_head = n_kv_head or n_head
+        self.n_kv_head = n_head if n_kv_head is None else n_kv_head  # 0 is an error, not "all"
         self.n_embd, self.mlp_ratio, self.dropout = n_embd, mlp_ratio, dropout
-        self.rope_base, self.head_dim = rope_base, n_embd // n_head
+        self.rope_base = rope_base
         self.attn, self.attn_options, self.attn_impl = attn, dict(attn_options or {}), attn_impl
         self.lssar_tokenizer, self.train_seq_len = lssar_tokenizer, train_seq_len
         self.use_cache = use_cache
-        self.gpt_config()  # validate now: a bad config.json fails at load, naming the field
+        # validate now (GPTConfig's checks: sizes, rope_base, attention): a bad config.json fails
+        # at load with a ValueError naming the field, before any size is divided or allocated
+        self.gpt_config()
+        self.head_dim = n_embd // n_head
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def gpt_config(self) -> GPTConfig:
@@ -289,6 +298,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -
     from lssar.train.runs import load_run
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
     model, cfg, meta = load_run(run_dir, map_location="cpu", which=which)
@@ -297,16 +308,21 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -
     if tok.eot is not None:
         hf.generation_config.eos_token_id = tok.eot
         hf.generation_config.pad_token_id = tok.eot
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(tmp, safe_serialization=True)
-    hf_tokenizer(cfg.tokenizer, meta["data_dir"]).save_pretrained(tmp)
-    info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot, "step": meta["step"]}
-    (tmp / TOKENIZER_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)  # a complete directory or none
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a new directory of our own beside OUT (never a fixed name, which may be a user's)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        hf_tokenizer(cfg.tokenizer, meta["data_dir"]).save_pretrained(tmp)
+        info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot}
+        (tmp / TOKENIZER_INFO).write_text(json.dumps(info | {"step": meta["step"]}, indent=2))
+        tmp.chmod(0o755)  # mkdtemp's directory is private; an export is meant to be shared
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)  # a complete directory or none
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

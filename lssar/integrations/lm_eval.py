@@ -4,7 +4,8 @@
 ``lm_eval.simple_evaluate``. The model is :class:`LssarLM` (registered in lm-eval as ``"lssar"``),
 which scores and generates with :class:`lssar.model.GPT` and the run's own tokenizer, so nothing
 is downloaded. The local tasks are written on demand by :func:`write_local_tasks` (YAML + JSONL,
-read with ``TaskManager(include_path=...)``) from the run's held-out split:
+read with ``TaskManager(include_path=...)``), into a fresh temporary directory at every call,
+from the run's held-out split:
 
 - ``lssar_heldout_ppl``: ``loglikelihood_rolling`` perplexity (word/byte perplexity, bits per byte)
   of held-out documents;
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -331,19 +333,24 @@ def write_local_tasks(
 def evaluate(
     lm: LssarLM,
     tasks: list[str],
-    tasks_dir: str | Path,
+    tasks_dir: str | Path | None,
     limit: int | None = None,
     num_fewshot: int | None = None,
     bootstrap_iters: int = 100000,
 ) -> dict[str, Any]:
-    """``lm_eval.simple_evaluate`` of ``lm`` on ``tasks`` (local ones read from ``tasks_dir``)."""
+    """``lm_eval.simple_evaluate`` of ``lm`` on ``tasks`` (local ones read from ``tasks_dir``).
+
+    ``tasks_dir`` becomes lm-eval's include path, and a task YAML there can import Python
+    (``!function``): pass only a directory this process has just written with
+    :func:`write_local_tasks` (``lssar lm-eval`` uses a fresh temporary one), or None.
+    """
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     register_lm()
     # Indexing the harness's ~10^4 task YAMLs takes seconds: skip it when only lssar_* tasks run.
     manager = TaskManager(
-        include_path=str(tasks_dir) if Path(tasks_dir).is_dir() else None,
+        include_path=None if tasks_dir is None else str(tasks_dir),
         include_defaults=not all(t.startswith("lssar_") for t in tasks),
     )
     if unknown := [t for t in tasks if t not in manager.all_tasks]:
@@ -407,11 +414,17 @@ def cli(argv: list[str]) -> int:
         device=a.device,
     )
     out = Path(a.out) if a.out else Path(a.run) / "lm_eval"
-    if {*LOCAL_TASKS, "lssar_local"} & set(tasks):
-        val = tok.decode(data.load_split(meta["data_dir"], "val").tolist())
-        length = a.passkey_length or lm.max_length
-        write_local_tasks(out / "tasks", val, tok, a.n_docs, passkey_length=length)
-    results = evaluate(lm, tasks, out / "tasks", a.limit, a.num_fewshot, a.bootstrap_iters)
+    # The local tasks are written afresh into a new private directory for this call alone: an
+    # include path that already held files (RUN/lm_eval/tasks/ once) would let a planted YAML
+    # import a planted Python file.
+    with tempfile.TemporaryDirectory(prefix="lssar-lm-eval-tasks-") as fresh:
+        tasks_dir = None
+        if {*LOCAL_TASKS, "lssar_local"} & set(tasks):
+            val = tok.decode(data.load_split(meta["data_dir"], "val").tolist())
+            length = a.passkey_length or lm.max_length
+            write_local_tasks(fresh, val, tok, a.n_docs, passkey_length=length)
+            tasks_dir = fresh
+        results = evaluate(lm, tasks, tasks_dir, a.limit, a.num_fewshot, a.bootstrap_iters)
     path = out / f"results-{lm.model.attn_spec.slug()}.json"
     atomic_write(path, json.dumps(results, indent=2, default=str) + "\n")
     from lm_eval.utils import make_table

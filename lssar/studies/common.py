@@ -10,6 +10,8 @@ a report never imports its runner.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import multiprocessing as mp
 from collections.abc import Callable, Iterable, Sequence
@@ -101,6 +103,25 @@ def run_units(
             if on_done is not None:
                 on_done(i, results[i])
     return results
+
+
+@functools.cache
+def code_digest(sources: tuple[str, ...]) -> str:
+    """A 12-hex-digit digest of the package files ``sources`` (paths relative to ``lssar/``; a
+    folder stands for its ``.py`` and ``.cpp`` files): stored with a cached result, so a result
+    made by other code is recomputed."""
+    root = Path(__file__).resolve().parents[1]  # the lssar package
+    h = hashlib.sha256()
+    for name in sources:
+        path = root / name
+        files = (
+            sorted(f for f in path.rglob("*") if f.suffix in (".py", ".cpp"))
+            if path.is_dir()
+            else [path]
+        )
+        for f in files:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def provenance_head(envs: Sequence[dict[str, Any]], report_env: dict[str, Any]) -> str:

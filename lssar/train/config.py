@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from lssar.model import GPTConfig
-from lssar.spec import AttentionSpec
+from lssar.runio import child_path
+from lssar.spec import AttentionSpec, check_runs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -238,17 +240,49 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     return GPTConfig(vocab_size=vocab_size, **shared | cfg.attention.to_config())
 
 
+# float fields and the range each must lie in: a NaN or inf here trains to "val loss nan"
+_RANGES: dict[str, tuple[Any, str]] = {
+    "lr": (lambda x: x > 0, "> 0, e.g. 3e-3"),
+    "min_lr": (lambda x: x >= 0, ">= 0 and <= lr"),
+    "weight_decay": (lambda x: x >= 0, ">= 0, e.g. 0.1"),
+    "beta1": (lambda x: 0 <= x < 1, "in [0, 1), e.g. 0.9"),
+    "beta2": (lambda x: 0 <= x < 1, "in [0, 1), e.g. 0.95"),
+    "grad_clip": (lambda x: x >= 0, ">= 0 (0: no clipping)"),
+    "max_time_s": (lambda x: x >= 0, ">= 0 seconds (or none)"),
+}
+
+
 def validate(cfg: TrainConfig) -> None:
-    """Raise ``ValueError`` naming the first setting that cannot work."""
-    _ = cfg.attention  # attn, attn_p and attn_impl first: the likeliest mistakes
-    model_config(cfg, 256)  # shape checks (heads divide width, even head dim)
+    """Raise ``ValueError`` naming the first setting that cannot work, and how to fix it.
+
+    The one check of a training config: :func:`load_config` and :func:`lssar.train.train` call
+    it before anything is written, so a config that would fail at the first step, or train to a
+    NaN loss, is refused while the run directory is still untouched.
+    """
+    for key, (ok, want) in _RANGES.items():
+        x = getattr(cfg, key)
+        if x is None and key == "max_time_s":
+            continue
+        if not math.isfinite(x):
+            raise ValueError(f"{key}={x} must be a finite number {want}")
+        if not ok(x):
+            raise ValueError(f"{key}={x} must be {want}")
+    # attn, attn_p and attn_impl (the impl must run the variant, with dropout if there is any)
+    spec = cfg.attention
+    check_runs(spec, cfg.dropout)
+    model_config(cfg, 256)  # sizes, mlp_ratio, dropout, rope_base; heads divide the width
     for key in _POSITIVE.split():
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1")
     if cfg.eval_tokens < cfg.seq_len:
         raise ValueError(f"eval_tokens={cfg.eval_tokens} must be >= seq_len={cfg.seq_len}")
-    if cfg.warmup_steps < 0 or not 0 <= cfg.min_lr <= cfg.lr or not 0 <= cfg.dropout < 1:
-        raise ValueError("need warmup_steps >= 0, 0 <= min_lr <= lr and 0 <= dropout < 1")
+    if cfg.warmup_steps < 0 or cfg.seed < 0 or cfg.min_lr > cfg.lr:
+        raise ValueError(
+            f"need warmup_steps >= 0, seed >= 0 and min_lr <= lr; got "
+            f"warmup_steps={cfg.warmup_steps}, seed={cfg.seed}, min_lr={cfg.min_lr}, lr={cfg.lr}"
+        )
+    if cfg.run_name is not None:
+        child_path(cfg.out_dir, cfg.run_name, "run_name")
     if cfg.dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"dtype={cfg.dtype!r}: use auto, bf16 or fp32")
     if cfg.device != "auto":

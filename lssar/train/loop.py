@@ -11,7 +11,9 @@ run takes: no RNG state is saved. ``batch_size`` is per rank; a step sees
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import math
 import os
 import time
@@ -28,7 +30,16 @@ from tqdm import tqdm
 
 from lssar import data
 from lssar.model import GPT
-from lssar.runio import environment
+from lssar.runio import (
+    LOCK_FILE,
+    DiskFullError,
+    LockedError,
+    RunFailure,
+    child_path,
+    environment,
+    exclusive_lock,
+    remove_stale_temps,
+)
 from lssar.train.config import (
     TrainConfig,
     default_run_name,
@@ -115,12 +126,20 @@ def _use_bf16(dtype: str, device: torch.device) -> bool:
 
 
 def _resolve_data(cfg: TrainConfig, master: bool, progress: bool) -> tuple[Path, dict]:
-    """The dataset dir (prepared by rank 0 if ``data_dir`` is None) and its checked manifest."""
+    """The dataset dir (prepared by rank 0 if ``data_dir`` is None) and its checked manifest.
+
+    Rank 0 verifies the shards' checksums first (remembered beside the manifest), so the other
+    ranks do not hash the same files again.
+    """
     if cfg.data_dir is not None:
         path = Path(cfg.data_dir)
+        if master:
+            data.read_manifest(path, verify=True)
+        _barrier()
     else:  # rank 0 prepares; the others then find the complete dataset and reuse it
         if master:
             path = data.prepare(cfg.corpus, cfg.tokenizer, progress=progress)
+            data.read_manifest(path, verify=True)
         _barrier()
         if not master:
             path = data.prepare(cfg.corpus, cfg.tokenizer, progress=False)
@@ -211,11 +230,70 @@ def train(
             dist.destroy_process_group()
 
 
+class DivergedError(RunFailure):
+    """The training loss (or the model's weights) stopped being finite."""
+
+
+def _agree(ok: bool, d: _Dist) -> bool:
+    """Whether ``ok`` holds on every rank (one all-reduce under DDP)."""
+    if d.world == 1:
+        return ok
+    flag = torch.tensor(float(not ok), device=d.device)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
 def _train(
     cfg: TrainConfig, resume: bool, progress: bool, d: _Dist, stop_after: int | None
 ) -> Path:
-    run_dir, master = Path(cfg.out_dir) / cfg.run_name, d.rank == 0
+    """Hold the run's lock (rank 0; every rank stops if it cannot) around :func:`_train_locked`.
+
+    A run directory this call created and left holding nothing but the lock (a data error
+    before the run started) is removed again: a failed start leaves nothing to refuse later.
+    """
+    run_dir, master = child_path(cfg.out_dir, cfg.run_name, "run_name"), d.rank == 0
+    new_dir = not run_dir.exists()
+    with contextlib.ExitStack() as stack:
+        refused: LockedError | None = None
+        if master:
+            try:
+                stack.enter_context(exclusive_lock(run_dir, "run"))
+            except LockedError as e:
+                refused = e
+        if not _agree(refused is None, d):
+            raise refused or LockedError(f"rank 0 could not lock the run {run_dir}")
+        try:
+            return _train_locked(cfg, resume, progress, d, stop_after, run_dir)
+        except DiskFullError as e:
+            latest = run_dir / "ckpt" / "latest.pt"
+            kept = (
+                f"{latest} holds the last complete checkpoint: the same command resumes from it"
+                if latest.is_file()
+                else "no checkpoint was written yet"
+            )
+            raise DiskFullError(errno.ENOSPC, f"{e}; {kept}") from e
+        except BaseException:
+            if master and new_dir and {p.name for p in run_dir.iterdir()} == {LOCK_FILE}:
+                (run_dir / LOCK_FILE).unlink()
+                run_dir.rmdir()
+            raise
+
+
+def _train_locked(
+    cfg: TrainConfig,
+    resume: bool,
+    progress: bool,
+    d: _Dist,
+    stop_after: int | None,
+    run_dir: Path,
+) -> Path:
+    master = d.rank == 0
     latest = run_dir / "ckpt" / "latest.pt"
+    if master:  # temp files of a writer killed mid-write (no live writer: we hold the lock)
+        for folder in (run_dir, run_dir / "ckpt"):
+            for stale in remove_stale_temps(folder):
+                print(f"{run_dir}: removed {stale.name}, left by a write that was interrupted")
+    _barrier()
     if resume and (stored := stored_train_config(run_dir)) is not None:
         check_same_config(stored, cfg, run_dir)
         if (run_dir / "DONE").is_file():
@@ -262,11 +340,31 @@ def _train(
         if master:
             append_log(run_dir, record)
 
+    saved = step if step > 0 else None  # the step of the last good checkpoint (resumed from)
+
+    def kept() -> str:
+        if saved is None:
+            return "no checkpoint was written yet"
+        return f"the last good checkpoint {latest} (step {saved}) is kept"
+
+    def diverged(what: str) -> DivergedError:
+        log(event="error", step=step, error=what)
+        return DivergedError(
+            f"{run_dir}: {what} at step {step}; {kept()}. Lower --lr (or raise --warmup_steps, "
+            "set --grad_clip) and start over with --no-resume"
+        )
+
     def evaluate() -> None:
         history.append([step, _evaluate(raw, val_tokens, cfg, bf16, d)])
+        if not math.isfinite(history[-1][1]):
+            raise diverged(f"the validation loss is {history[-1][1]}")
         log(event="eval", step=step, tokens=tokens, val_loss=history[-1][1])
 
-    def save() -> None:  # rank 0 writes, the others wait
+    def save() -> None:  # rank 0 writes, the others wait; a non-finite model is never saved
+        nonlocal saved
+        finite = torch.stack([torch.isfinite(p).all() for p in raw.parameters()]).all()
+        if not _agree(bool(finite), d):
+            raise diverged("the weights are no longer finite")
         if master:
             save_checkpoint(
                 latest,
@@ -281,6 +379,7 @@ def _train(
                 tokenizer=cfg.tokenizer,
                 corpus=manifest["corpus"],
             )
+        saved = step
         _barrier()
 
     model: torch.nn.Module = torch.compile(raw) if cfg.compile else raw
@@ -299,12 +398,18 @@ def _train(
         evaluate()
     start = t0 = time.perf_counter()
     window = 0  # tokens trained since t0: tokens/s counts training only, not eval or saving
+    # a step's loss stays on the device; whether any was non-finite is read at the next sync
+    nonfinite = torch.zeros((), dtype=torch.bool, device=d.device)
     while step < cfg.max_steps:
         loss = _train_step(model, opt, cfg, train_tokens, step, bf16, d)
+        nonfinite |= ~torch.isfinite(loss)
         lr = lr_at(step, cfg)
         step, tokens, window = step + 1, tokens + per_step, window + per_step
         bar.update()
         end = step == cfg.max_steps
+        sync = end or any(step % k == 0 for k in (cfg.log_every, cfg.eval_every, cfg.ckpt_every))
+        if sync and not _agree(not bool(nonfinite), d):
+            raise diverged("the training loss became non-finite (nan or inf)")
         if step % cfg.log_every == 0 or end:
             if d.world > 1:
                 dist.all_reduce(loss)
@@ -381,7 +486,12 @@ def sample(
     top_k: int | None = 50,
     seed: int = 0,
 ) -> list[int]:
-    """``max_new_tokens`` ids sampled after ``prompt`` (an empty prompt starts a document)."""
+    """``max_new_tokens`` ids sampled after ``prompt`` (an empty prompt starts a document).
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 or None samples from the whole vocabulary.
+    """
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0: no top-k)")
     ids = tokenizer.encode(prompt) or tokenizer.doc_separator
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)

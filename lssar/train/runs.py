@@ -11,6 +11,7 @@ This module does not import the training loop: readers of runs need only it and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from lssar.model import GPT, GPTConfig
-from lssar.runio import atomic_write
+from lssar.runio import atomic_write, disk_full, load_data, no_space, one_line
 from lssar.train.config import BOOKKEEPING, TrainConfig
 
 CKPT_FORMAT = "lssar-ckpt"
@@ -29,11 +30,6 @@ CKPT_FORMAT = "lssar-ckpt"
 
 def write_json(path: Path, obj: Any) -> None:
     atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    s = " ".join(str(e).split()) or type(e).__name__
-    return s if len(s) <= limit else s[:limit] + "..."
 
 
 # --------------------------------------------------------------------------------- the run dir
@@ -60,23 +56,64 @@ def check_same_config(stored: dict[str, Any], cfg: TrainConfig, run_dir: Path) -
         )
 
 
+def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir/log.jsonl`` (none if it does not exist).
+
+    A torn last line (a run killed, or a disk that filled, in the middle of appending it) is
+    dropped with a warning naming the file; a damaged line before it is a ``ValueError`` naming
+    the file and the line.
+    """
+    path = Path(run_dir) / "log.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    if lines and not lines[-1].strip():
+        lines.pop()  # the newline that ends the last record
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("not a record with an integer step")
+        except (ValueError, UnicodeDecodeError) as e:
+            if i == len(lines):
+                print(f"warning: {path}: dropped a torn last line ({one_line(e, 80)})")
+                break
+            raise ValueError(
+                f"{path} line {i} is damaged ({one_line(e, 80)}): delete that line, or start "
+                "the run over with --no-resume"
+            ) from None
+        records.append(rec)
+    return records
+
+
 def init_run_dir(run_dir: Path, step: int, config: dict[str, Any], env: dict[str, Any]) -> None:
-    """Write config/env; keep the log up to ``step`` (the curve continues, no duplicates)."""
+    """Write config/env; keep the log up to ``step`` (the curve continues, no duplicates).
+
+    Call it holding the run's lock (:func:`lssar.runio.exclusive_lock`).
+    """
     (run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
     if step == 0:  # a fresh start: nothing of an earlier attempt may be resumed later
         for stale in ("ckpt/latest.pt", "ckpt/final.pt", "DONE"):
             (run_dir / stale).unlink(missing_ok=True)
-    log = run_dir / "log.jsonl"
-    lines = log.read_text().splitlines() if log.is_file() and step > 0 else []
-    kept = "".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step)
-    atomic_write(log, lambda f: f.write(kept.encode()))
+    kept = [r for r in read_log(run_dir) if r["step"] <= step] if step > 0 else []
+    text = "".join(json.dumps(r) + "\n" for r in kept)
+    atomic_write(run_dir / "log.jsonl", lambda f: f.write(text.encode()))
     write_json(run_dir / "config.json", config)
     write_json(run_dir / "env.json", env | {"start_step": step})
 
 
 def append_log(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(Path(run_dir) / "log.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """Append one record (one ``write``: a kill leaves at most a torn last line, which
+    :func:`read_log` drops)."""
+    path = Path(run_dir) / "log.jsonl"
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        if no_space(e):
+            raise disk_full(path) from e
+        raise
 
 
 def finish_run(run_dir: Path, step: int, tokens: int, val_loss: float) -> None:
@@ -94,6 +131,23 @@ def finish_run(run_dir: Path, step: int, tokens: int, val_loss: float) -> None:
 
 # ------------------------------------------------------------------------------- checkpoints
 
+# (resolved path, size, mtime_ns, inode) -> sha256: a checkpoint is hashed once per process
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file (a checkpoint), remembered while its size and mtime are unchanged."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
 
 def save_checkpoint(path: Path, **state: Any) -> None:
     """Write ``state`` (model/optimizer state dicts, counters, configs) atomically to ``path``."""
@@ -102,11 +156,9 @@ def save_checkpoint(path: Path, **state: Any) -> None:
 
 def load_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # a damaged file surfaces as RuntimeError, EOFError, pickle errors...
-        raise ValueError(
-            f"checkpoint {path} is corrupt ({_one_line(e)}): delete it or start a new run"
-        ) from e
+        ckpt = load_data(path, map_location)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path} is corrupt ({e}): delete it or start a new run") from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise ValueError(
             f"checkpoint {path} is not an lssar checkpoint: delete it or start a new run"
@@ -119,7 +171,7 @@ def load_model_state(model: GPT, ckpt: dict[str, Any], path: Path) -> None:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise ValueError(
-            f"checkpoint {path} does not fit this model ({_one_line(e)}): the "
+            f"checkpoint {path} does not fit this model ({one_line(e)}): the "
             "config's model shape differs; use a new --run_name"
         ) from e
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -26,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from lssar.data import get_tokenizer, iter_eval_windows, load_split
+from lssar.data import get_tokenizer, iter_eval_windows, load_split, read_manifest
+from lssar.data.manifest import manifest_files
 from lssar.data.passkey import passkey_sample
 from lssar.model import GPT, sliding_window_mask
-from lssar.runio import atomic_write, environment
+from lssar.runio import atomic_write, child_path, environment
+from lssar.studies.common import code_digest
 from lssar.studies.lm.figures import label_of, plot_results
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
@@ -46,22 +46,10 @@ _EVAL_SOURCES = (
 )
 
 
-@functools.cache
 def eval_code_version() -> str:
     """A digest of the evaluation code (:data:`_EVAL_SOURCES`), stored with every evaluation; a
     cached evaluation made by other code is recomputed."""
-    root = Path(__file__).resolve().parents[2]  # the lssar package
-    h = hashlib.sha256()
-    for name in _EVAL_SOURCES:
-        path = root / name
-        files = (
-            sorted(f for f in path.rglob("*") if f.suffix in (".py", ".cpp"))
-            if path.is_dir()
-            else [path]
-        )
-        for f in files:
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
+    return code_digest(_EVAL_SOURCES)
 
 
 def window_of(window: int | None) -> Callable[[int], torch.Tensor | None]:
@@ -325,6 +313,27 @@ def passkey_accuracy(
 # ------------------------------------------------------------------------------ run-level
 
 
+def cache_key(cfg: Any, meta: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """What a cached evaluation must match to be reused: the checkpoint's content (its sha256:
+    a run retrained with ``--no-resume`` and another seed or lr at the same step is another
+    model), the run's config, the dataset's files (their manifest sha256, which
+    :func:`lssar.data.load_split` verifies), the evaluation settings and code."""
+    from lssar.train.runs import file_sha256
+
+    m = read_manifest(meta["data_dir"])
+    return json.loads(  # the JSON form, as it is stored and read back
+        json.dumps(
+            {
+                "checkpoint_sha256": file_sha256(meta["checkpoint"]),
+                "config": dataclasses.asdict(cfg),
+                "data": manifest_files(m),
+                "settings": settings,
+                "eval_version": eval_code_version(),
+            }
+        )
+    )
+
+
 def evaluate_run(
     run_dir: str | Path,
     multiples: list[int] | None = None,
@@ -346,9 +355,10 @@ def evaluate_run(
     ``attn`` / ``attn_p`` switch the trained attention by :meth:`AttentionSpec.override`;
     ``window`` limits every query to its last ``window`` keys (the sliding-window control). The
     default ``tag`` is the evaluated rule's slug (``lssar_p15``, ``softmax_window128``).
-    Re-running with the same arguments reuses the saved result unless the run's step or the
-    evaluation code (:func:`eval_code_version`) changed. Every result records the run's
-    environment (``env``: the training commit) and its own (``eval_env``).
+    Re-running with the same arguments reuses the saved result only while :func:`cache_key`
+    matches: the same checkpoint content, run config, data, settings and evaluation code.
+    Every result records the run's environment (``env``: the training commit) and its own
+    (``eval_env``).
     """
     from lssar.train.runs import load_run
 
@@ -365,7 +375,8 @@ def evaluate_run(
         raise ValueError(f"cannot evaluate this run with attention {what}: {e}") from None
     evaluated = model.attn_spec.label
     tag = tag or model.attn_spec.slug("_") + ("" if window is None else f"_window{window}")
-    out_dir = run_dir / "eval" / folder / tag
+    out_dir = child_path(run_dir / "eval", folder, "folder") if folder else run_dir / "eval"
+    out_dir = child_path(out_dir, tag, "--tag")
     settings = {
         "multiples": multiples,
         "eval_tokens": eval_tokens,
@@ -375,14 +386,14 @@ def evaluate_run(
         "passkey": None if passkey is None else dataclasses.asdict(passkey),
         "window": window,
     }
+    key = cache_key(cfg, meta, settings)
     cached = out_dir / "results.json"
     if cached.exists():
-        prev = json.loads(cached.read_text())
-        if (
-            prev.get("settings") == settings
-            and prev.get("step") == meta.get("step")
-            and prev.get("eval_version") == eval_code_version()
-        ):
+        try:
+            prev = json.loads(cached.read_text())
+        except ValueError:  # a damaged cache is recomputed, never trusted
+            prev = {}
+        if isinstance(prev, dict) and prev.get("cache_key") == key:
             return prev
     val = load_split(meta["data_dir"], "val")
     train_len = cfg.seq_len
@@ -398,6 +409,7 @@ def evaluate_run(
         "config": dataclasses.asdict(cfg),
         "settings": settings,
         "eval_version": eval_code_version(),
+        "cache_key": key,
         "env": _read_json(run_dir / "env.json"),
         "eval_env": environment(),
     }

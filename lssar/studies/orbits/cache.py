@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lssar.runio import atomic_write
+from lssar.runio import atomic_write, load_data
 
 
 def key_of(obj: Any) -> str:
@@ -55,11 +55,11 @@ def load_if(path: Path, key: str) -> Any:
         if path.suffix == ".json":
             obj = json.loads(path.read_text())
         elif path.suffix == ".npz":
-            with np.load(path) as z:
+            with np.load(path, allow_pickle=False) as z:
                 obj = {k: z[k] for k in z.files}
             obj["key"] = str(obj["key"])
         else:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = load_data(path)
     except Exception:  # a damaged cache file is recomputed, never trusted
         return None
     return obj if isinstance(obj, dict) and obj.get("key") == key else None

@@ -15,9 +15,10 @@ also run on its noise ceiling (:mod:`.ceiling`: the true forces seen through tha
 probe noise), which is what the report judges the arm's exponents against.
 
 Every stage (pretraining, force probe, symbolic regression) of every arm and seed is cached in
-``runs/orbits-<preset>/<arm>-s<seed>/`` under a hash of everything it depends on, written
-atomically, so re-running reuses finished work, resumes after a kill at the last finished stage
-and recomputes only what a change of settings invalidates (:mod:`.cache`). The report
+``runs/orbits-<preset>/<arm>-s<seed>/`` under a hash of everything it depends on (settings,
+data, and a digest of the code that computes it), written atomically by one process at a time (a
+lock), so re-running reuses finished work, resumes after a kill at the last finished stage and
+recomputes only what a change of settings invalidates (:mod:`.cache`). The report
 (``reports/orbits-<preset>-<date>/``) is generated from those files (:mod:`.report`).
 
 This module is the runner; the arms, presets and ``--set`` parser live in :mod:`.presets` (and
@@ -37,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lssar.runio import environment
-from lssar.studies.common import run_units
+from lssar.runio import environment, exclusive_lock, remove_stale_temps
+from lssar.studies.common import code_digest, run_units
 from lssar.studies.orbits import kepler, symreg
 from lssar.studies.orbits.cache import key_of, load_if, save_json, save_npz, save_torch
 from lssar.studies.orbits.ceiling import exponent_errors, noise_ceiling
@@ -81,12 +82,24 @@ __all__ = [  # the settings live in .presets; imported from here as before
 ]
 
 
+# what every stage's result depends on besides its settings: a change here recomputes it
+_CODE = (
+    "studies/orbits/models.py",
+    "studies/orbits/symreg.py",
+    "studies/orbits/ceiling.py",
+    "model.py",
+    "spec.py",
+    "ops",
+)
+
+
 # ------------------------------------------------------------------------------- data
 def prepare_data(p: Preset, name: str, root: Path, device: torch.device) -> Data:
     """Generate (or reuse) ``root/data/orbits-<name>/`` and encode it in ``p.fmt``."""
     cfg = kepler.preset(p.data_preset, **p.data)  # kepler validates the orbital parameters
     ddir = root / "data" / f"orbits-{name}"
-    manifest = kepler.make_splits(cfg, ddir, p.fractions)
+    with exclusive_lock(ddir, "orbits dataset", wait=True):  # one writer; the rest reuse it
+        manifest = kepler.make_splits(cfg, ddir, p.fractions)
     raw = {s: kepler.load_split(ddir, s) for s in kepler.SPLITS}
     data = encode_splits(raw, p.fmt, p.n_bins, cfg.extra.get("coord_range"), device)
     data.key = key_of({"sha256": manifest["sha256"], "fmt": p.fmt, "n_bins": p.n_bins})
@@ -170,7 +183,11 @@ class Runner:
 
     def run(self, arm: Arm, seed: int) -> dict[str, Any]:
         d = self.runs / f"{arm.name}-s{seed}"
-        d.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(d, "orbits run"):  # two invocations on one --out: one works here
+            remove_stale_temps(d)  # a stage write that was killed
+            return self._run(arm, seed, d)
+
+    def _run(self, arm: Arm, seed: int, d: Path) -> dict[str, Any]:
         p, data = self.p, self.data
         idx_s, idx_t = sr_points(data, p, seed)
         masses, r = data.masses["test"][idx_s], data.r["test"][idx_s, idx_t]
@@ -179,7 +196,10 @@ class Runner:
             for k in ("sr_points", "sr_budget_s", "n_boot", "tol", "ceiling_draws", "first_step")
         }
         if arm.attention is None:  # oracle: the true forces through the same pipeline
-            key = key_of({"data": data.key, "sr": sr_cfg, "backend": self.backend, "seed": seed})
+            key = key_of(
+                {"data": data.key, "sr": sr_cfg, "backend": self.backend, "seed": seed}
+                | {"code": code_digest(_CODE)}
+            )
             res = load_if(d / "result.json", key)
             if res is None:
                 F = np.exp(data.log_f["test"][idx_s, idx_t])
@@ -203,6 +223,7 @@ class Runner:
                 "data": data.key,
                 "model": mcfg.to_json(),
                 "seed": seed,
+                "code": code_digest(_CODE),  # other training or probe code: recomputed
                 "pretrain": [p.pretrain_steps, p.pretrain_batch, p.pretrain_lr]
                 if arm.pretrained
                 else None,

@@ -349,7 +349,7 @@ def load_split(out_dir: str | os.PathLike, split: str) -> dict[str, np.ndarray]:
     """Load one split written by :func:`make_splits` as a dict of arrays."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    with np.load(Path(out_dir) / f"{split}.npz") as z:
+    with np.load(Path(out_dir) / f"{split}.npz", allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 

@@ -48,7 +48,7 @@ def force_scatter(results: list[Result], out: Path, first_step: int) -> str | No
     for ax in axes.ravel()[len(arms) :]:
         ax.axis("off")
     for ax, (arm, r) in zip(axes.ravel(), arms):
-        with np.load(Path(r["run_dir"]) / "predictions.npz") as z:
+        with np.load(Path(r["run_dir"]) / "predictions.npz", allow_pickle=False) as z:
             y, yh = z["log_f_true"].ravel(), z["log_f_pred"].ravel()
         sel = np.random.default_rng(0).choice(len(y), min(3000, len(y)), replace=False)
         ax.scatter(y[sel], yh[sel], s=3, alpha=0.4, color=colour(arm))

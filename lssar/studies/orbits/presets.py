@@ -7,6 +7,7 @@ that runs. The runner is :mod:`lssar.studies.orbits.experiment`, its cache
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -155,8 +156,13 @@ def resolve_preset(
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
     p = dataclasses.replace(PRESETS[name], data=dict(PRESETS[name].data))
     fields = {f.name for f in dataclasses.fields(Preset)} - {"description", "budget", "data"}
+    data_fields = {f.name for f in dataclasses.fields(kepler.OrbitConfig)}
     for k, v in (overrides or {}).items():
         if k.startswith("data."):
+            if k[5:] not in data_fields:
+                raise ValueError(
+                    f"unknown setting {k!r}; valid data.<field>: {', '.join(sorted(data_fields))}"
+                )
             p.data[k[5:]] = v
         elif k in fields:
             setattr(p, k, v)
@@ -169,9 +175,38 @@ def resolve_preset(
         p.fmt = fmt
     if p.fmt not in FORMATS:
         raise ValueError(f"unknown format {p.fmt!r}; valid: {', '.join(FORMATS)}")
-    if not 0 <= p.first_step:
-        raise ValueError("first_step must be >= 0")
+    _check_numbers(p)
     return p
+
+
+# the preset's numbers and the range each must lie in (a negative step count or a NaN rate
+# would otherwise train silently, or fail deep inside a stage)
+_WHOLE = {
+    "n_layer": 1, "n_head": 1, "n_embd": 1, "window": 1, "n_bins": 2, "pretrain_steps": 1,
+    "pretrain_batch": 1, "finetune_steps": 1, "finetune_batch": 1, "first_step": 0,
+    "sr_points": 1, "n_boot": 1, "jobs": 1,
+}  # fmt: skip
+_REAL = {
+    "pretrain_lr": (lambda x: x > 0, "> 0"),
+    "finetune_lr": (lambda x: x > 0, "> 0"),
+    "ridge_alpha": (lambda x: x >= 0, ">= 0"),
+    "sr_budget_s": (lambda x: x > 0, "> 0 seconds"),
+    "tol": (lambda x: x > 0, "> 0"),
+    "r2_min": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+}
+
+
+def _check_numbers(p: Preset) -> None:
+    for k, low in _WHOLE.items():
+        v = getattr(p, k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{k}={v!r} must be a whole number >= {low} (--set {k}=...)")
+    for k, (ok, want) in _REAL.items():
+        v = getattr(p, k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{k}={v!r} must be a finite number {want} (--set {k}=...)")
+        if not ok(v):
+            raise ValueError(f"{k}={v!r} must be {want} (--set {k}=...)")
 
 
 def check_arms(arms: list[str]) -> list[str]:

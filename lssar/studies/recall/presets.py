@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,12 @@ class StudyConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be positive")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be a finite number > 0, e.g. 1e-3")
+        if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be a finite number >= 0")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
 
     def train_dict(self) -> dict[str, Any]:
         """The settings a trained model depends on (hashed into the run name)."""

@@ -2,17 +2,17 @@
 :mod:`lssar.studies.recall.presets`).
 
 The model is :class:`lssar.studies.recall.model.RecallModel` (a GPT with a token shift; see that
-module for why). Every trained arm shares the task, model size, steps, learning-rate schedule and
-training batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only the
-attention differs. Every arm is scored on the same evaluation sequences. Training is fp32 (the
-CPUs this runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config hash>/``:
-``ckpt.pt`` (atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` + ``done.json``
-once finished, and one ``eval-*.json`` per evaluation rule; finished runs and evaluations are
-reused, unfinished runs resume from their checkpoint, and a changed setting gets a new hash
-(never a stale reuse). With ``jobs > 1`` the (seed, model) units train and evaluate in that many
-worker processes of one thread each (tiny models use one core far better than two threads do);
-the results do not depend on ``jobs``.
-"""
+module for why). Every trained arm shares the task, model size, steps, learning-rate schedule
+and training batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only
+the attention differs. Every arm is scored on the same evaluation sequences. Training is fp32
+(the CPUs this runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config
+hash>/``: ``ckpt.pt`` (atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` +
+``done.json`` once finished, and one ``eval-*.json`` per evaluation rule; finished runs are
+reused, unfinished runs resume from their checkpoint (one trainer per run: a lock), and a
+changed setting gets a new hash; an evaluation is reused only under its key (the model's sha256,
+the rule, the evaluation sequences and the code), never stale. With ``jobs > 1`` the (seed,
+model) units train and evaluate in that many worker processes of one thread each (tiny models
+use one core far better than two threads do); the results do not depend on ``jobs``."""
 
 from __future__ import annotations
 
@@ -31,8 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from lssar.model import GPTConfig
-from lssar.runio import atomic_write, environment
-from lssar.studies.common import Arm, run_units
+from lssar.runio import (
+    atomic_write,
+    environment,
+    exclusive_lock,
+    load_data,
+    remove_stale_temps,
+)
+from lssar.studies.common import Arm, code_digest, run_units
 from lssar.studies.recall.model import RecallModel, window_mask
 from lssar.studies.recall.presets import (
     ARMS,
@@ -46,6 +52,10 @@ from lssar.studies.recall.presets import (
     train_p,
 )
 from lssar.studies.recall.task import IGNORE
+from lssar.train.runs import file_sha256
+
+# what an evaluation's scores depend on besides the model and the settings
+_EVAL_SOURCES = ("studies/recall/model.py", "studies/recall/task.py", "model.py", "spec.py", "ops")
 
 # ------------------------------------------------------------------------------- training
 
@@ -85,6 +95,14 @@ def _save(path: Path, obj: Any) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def _load(path: Path) -> Any:
+    """A file this study wrote, read back as data only (:func:`lssar.runio.load_data`)."""
+    try:
+        return load_data(path)
+    except ValueError as e:
+        raise ValueError(f"{path} is damaged or not this study's ({e}): delete it") from e
+
+
 def train_arm(
     cfg: StudyConfig,
     arm: Arm,
@@ -99,10 +117,26 @@ def train_arm(
     resume, and to spread a long preset over several invocations.
     """
     rd = run_dir(runs, cfg, arm, seed)
+    if (finished := _finished(cfg, arm, rd)) is not None:
+        return finished
+    with exclusive_lock(rd, "recall run"):  # one trainer per run (two invocations, one runs dir)
+        if (finished := _finished(cfg, arm, rd)) is not None:  # by the lock's last holder
+            return finished
+        remove_stale_temps(rd)  # a checkpoint write that was killed
+        return _train_arm(cfg, arm, seed, rd, progress, stop_after)
+
+
+def _finished(cfg: StudyConfig, arm: Arm, rd: Path) -> tuple[RecallModel, dict[str, Any]] | None:
+    if not ((rd / "done.json").exists() and (rd / "model.pt").exists()):
+        return None
     model = build_model(cfg, arm)
-    if (rd / "done.json").exists() and (rd / "model.pt").exists():
-        model.load_state_dict(torch.load(rd / "model.pt", weights_only=True))
-        return model.eval(), json.loads((rd / "done.json").read_text())
+    model.load_state_dict(_load(rd / "model.pt"))
+    return model.eval(), json.loads((rd / "done.json").read_text())
+
+
+def _train_arm(
+    cfg: StudyConfig, arm: Arm, seed: int, rd: Path, progress: bool, stop_after: int | None
+) -> tuple[RecallModel, dict[str, Any]]:
     torch.manual_seed(seed)
     model = build_model(cfg, arm)
     opt = torch.optim.AdamW(
@@ -110,7 +144,7 @@ def train_arm(
     )
     start, log, elapsed = 0, [], 0.0
     if (rd / "ckpt.pt").exists():
-        ck = torch.load(rd / "ckpt.pt", weights_only=False)
+        ck = _load(rd / "ckpt.pt")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         start, log, elapsed = ck["step"], ck["log"], ck["elapsed"]
@@ -190,11 +224,34 @@ def train_arm(
 def evaluate_arm(
     model: RecallModel, cfg: StudyConfig, arm: Arm, p: float | None, rd: Path
 ) -> dict[str, dict[str, list[int]]]:
-    """Per length multiple: ``correct`` (0/1) and ``distance`` of every scored query; cached in
-    ``rd/eval-<rule>.json``. ``p`` set = evaluate with lssar at that p (eval-only re-weighting)."""
+    """Per length multiple: ``correct`` (0/1) and ``distance`` of every scored query, for the
+    finished run ``rd``; cached in ``rd/eval-<rule>-<eval_seqs>.json`` under a key of what they
+    depend on. ``p`` set = evaluate with lssar at that p (eval-only re-weighting)."""
     rule = ("window-sink" if arm.window else "trained") if p is None else f"lssar-p{p:g}"
     path = rd / f"eval-{rule}-{cfg.eval_seqs}.json"
-    cached = json.loads(path.read_text()) if path.exists() else {}
+    # what the scores depend on: the model's weights (model.pt; a retrained run is another
+    # model), the rule, the evaluation sequences (eval_batch cuts them into seeded chunks) and
+    # the code; each length multiple is cached under it and added to it when asked for
+    key = json.loads(
+        json.dumps(
+            {
+                "model_sha256": file_sha256(rd / "model.pt"),  # a finished run's
+                "rule": rule,
+                "task": dataclasses.asdict(cfg.task),
+                "eval_seqs": cfg.eval_seqs,
+                "eval_batch": cfg.eval_batch,
+                "eval_seed": EVAL_SEED,
+                "code": code_digest(_EVAL_SOURCES),
+            },
+            default=str,
+        )
+    )
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:  # a damaged cache is recomputed, never trusted
+        stored = {}
+    ok = isinstance(stored, dict) and stored.get("key") == key
+    cached = dict(stored["scores"]) if ok else {}
     if p is None:
         model.set_attention(arm.attention.name, dict(arm.attention.options))
     else:
@@ -219,9 +276,9 @@ def evaluate_arm(
         cached[str(m)] = {"correct": correct, "distance": dist}
         changed = True
     if changed:
-        atomic_write(path, json.dumps(cached))
+        atomic_write(path, json.dumps({"key": key, "scores": cached}))
     model.set_attention(arm.attention.name, dict(arm.attention.options))
-    return cached
+    return {str(m): cached[str(m)] for m in cfg.multiples}
 
 
 def tidy_rows(
