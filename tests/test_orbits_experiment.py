@@ -129,7 +129,8 @@ def test_changed_code_recomputes_every_stage(micro, tmp_path, monkeypatch):
         ("finetune_steps=0", r"finetune_steps=0 must be a whole number >= 1"),
         ("finetune_lr=nan", r"finetune_lr=nan must be a finite number > 0"),
         ("window=0", r"window=0 must be"),
-        ("r2_min=2", r"r2_min=2.0 must be in \[0, 1\]"),
+        ("margin=-0.1", r"margin=-0.1 must be > 0"),
+        ("ceiling_draws=0", r"ceiling_draws=0 must be a whole number >= 1"),
     ],
 )
 def test_bad_set_is_one_error_line_before_anything_is_written(setting, match, tmp_path, capsys):
@@ -267,8 +268,11 @@ def test_bad_names_raise_clear_errors(tmp_path, capsys):
 
 
 def test_ceiling_settings_are_checked_before_anything_runs(tmp_path):
-    for bad in ({"margin": 0.0}, {"ceiling_draws": 0}):
-        with pytest.raises(ValueError, match="ceiling_draws >= 1 and margin > 0"):
+    for bad, msg in (
+        ({"margin": 0.0}, "margin=0.0 must be > 0"),
+        ({"ceiling_draws": 0}, "ceiling_draws=0 must be a whole number >= 1"),
+    ):
+        with pytest.raises(ValueError, match=msg):
             ex.run_experiment("quick", ["oracle"], [0], tmp_path, {**MICRO, **bad}, progress=False)
     assert not (tmp_path / "data").exists()
 

@@ -409,10 +409,6 @@ def run_experiment(
     seeds = list(seeds if seeds is not None else p.seeds)
     if not seeds:
         raise ValueError("need at least one seed")
-    if p.ceiling_draws < 1 or not p.margin > 0:  # checked here, not after hours of training
-        raise ValueError(
-            f"need ceiling_draws >= 1 and margin > 0, got {p.ceiling_draws} and {p.margin}"
-        )
     jobs = p.jobs if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")

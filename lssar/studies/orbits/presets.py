@@ -184,7 +184,7 @@ def resolve_preset(
 _WHOLE = {
     "n_layer": 1, "n_head": 1, "n_embd": 1, "window": 1, "n_bins": 2, "pretrain_steps": 1,
     "pretrain_batch": 1, "finetune_steps": 1, "finetune_batch": 1, "first_step": 0,
-    "sr_points": 1, "n_boot": 1, "jobs": 1,
+    "sr_points": 1, "n_boot": 1, "ceiling_draws": 1, "jobs": 1,
 }  # fmt: skip
 _REAL = {
     "pretrain_lr": (lambda x: x > 0, "> 0"),
@@ -192,7 +192,7 @@ _REAL = {
     "ridge_alpha": (lambda x: x >= 0, ">= 0"),
     "sr_budget_s": (lambda x: x > 0, "> 0 seconds"),
     "tol": (lambda x: x > 0, "> 0"),
-    "r2_min": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "margin": (lambda x: x > 0, "> 0"),
 }
 
 
