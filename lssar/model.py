@@ -250,9 +250,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
-        self.set_attention(cfg.attention)
         self.rope_scaling: RopeScaling | None = None  # an eval-time rescaling of RoPE
         self.rope_train_len: int | None = None  # the length it rescales from
+        self.set_attention(cfg.attention)
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):

@@ -94,6 +94,12 @@ def _inv_freq(base: float, dim: int) -> Tensor:
     return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
 
 
+def trained_inv_freq(base: float, dim: int) -> Tensor:
+    """The unscaled inverse frequencies exactly as :func:`lssar.model.rope_cache` computes
+    them (float32): a scaling whose ``s`` is 1 returns these, so it *is* the trained model."""
+    return 1.0 / base ** (torch.arange(0, dim, 2).float() / dim)
+
+
 def _parse_factor(factor: Any) -> float | None:
     if factor is None or (isinstance(factor, str) and factor.strip().lower() == "auto"):
         return None
@@ -161,6 +167,8 @@ class RopeScaling:
         d, s = head_dim, self.scale(seq_len, train_len)
         if self.kind in ("ntk", "dynamic-ntk") and d <= 2:
             raise ValueError(f"--rope-scaling {self.kind} needs a head dim > 2, got {d}")
+        if (seq_len <= train_len) if self.kind == "dynamic-ntk" else (s == 1.0):
+            return trained_inv_freq(base, d), 1.0  # no scaling: the trained rotation, bit for bit
         if self.kind == "linear":
             return (_inv_freq(base, d) / s).float(), 1.0
         if self.kind == "ntk":
@@ -183,10 +191,12 @@ class RopeScaling:
         inv = extrapolation / s * ramp + extrapolation * (1 - ramp)
         return inv.float(), (0.1 * math.log(s) + 1.0 if s > 1 else 1.0)
 
-    def to_hf(self, train_len: int) -> dict[str, Any]:
-        """transformers' ``rope_scaling`` form: ``{"rope_type", "factor",
-        "original_max_position_embeddings"}``. ``auto`` depends on the evaluated length and has
-        no such form (except for ``dynamic-ntk``, where it is ``factor = 1``)."""
+    def to_hf(self) -> dict[str, Any]:
+        """transformers' ``rope_parameters`` (5.x; ``rope_scaling`` before) form:
+        ``{"rope_type", "factor"}``; the training length goes beside it, as
+        ``max_position_embeddings`` (and, for YaRN, ``original_max_position_embeddings``: see
+        :func:`hf_rope_parameters`). ``auto`` depends on the evaluated length and has no such
+        form (except for ``dynamic-ntk``, where it is ``factor = 1``)."""
         if self.factor is None and self.kind != "dynamic-ntk":
             raise ValueError(
                 f"--rope-factor auto depends on the evaluated length; {self.kind} needs a number "
@@ -195,17 +205,26 @@ class RopeScaling:
         return {
             "rope_type": HF_ROPE_TYPES[self.kind],
             "factor": 1.0 if self.factor is None else self.factor,
-            "original_max_position_embeddings": int(train_len),
         }
 
     @classmethod
-    def from_hf(cls, rope_scaling: dict[str, Any]) -> RopeScaling:
-        """The scaling of a ``rope_scaling`` dict written by :meth:`to_hf`."""
+    def from_hf(cls, rope_parameters: dict[str, Any]) -> RopeScaling:
+        """The scaling of a ``rope_parameters`` / ``rope_scaling`` dict (:meth:`to_hf`)."""
         kinds = {v: k for k, v in HF_ROPE_TYPES.items()}
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        rope_type = rope_parameters.get("rope_type", rope_parameters.get("type"))
         if rope_type not in kinds:
             raise ValueError(
                 f"rope_scaling rope_type {rope_type!r} is not one lssar-gpt runs; choose one "
                 f"of: {', '.join(kinds)}"
             )
-        return cls(kinds[rope_type], rope_scaling.get("factor"))
+        return cls(kinds[rope_type], rope_parameters.get("factor"))
+
+
+def hf_rope_parameters(scaling: RopeScaling, train_len: int, base: float) -> dict[str, Any]:
+    """The full ``rope_parameters`` of a scaled RoPE as transformers' Llama reads them: the
+    scaling, ``rope_theta`` and, for YaRN, ``original_max_position_embeddings`` (dynamic NTK
+    reads the training length from the config's ``max_position_embeddings``)."""
+    out = {**scaling.to_hf(), "rope_theta": float(base)}
+    if scaling.kind == "yarn":
+        out["original_max_position_embeddings"] = int(train_len)
+    return out

@@ -44,18 +44,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval")
     data_dir = data.prepare("shakespeare", "byte", root / "data", max_tokens=60_000, progress=False)
     out = {}
-    for attn in ("lssa", "softmax"):
+    for name, attn, pos in (
+        ("lssa", "lssa", "rope"),
+        ("softmax", "softmax", "rope"),
+        ("softmax-alibi", "softmax", "alibi"),
+    ):
         cfg = load_config(
             None,
             TINY
             | {
                 "attn": attn,
+                "pos": pos,
                 "data_dir": str(data_dir),
                 "out_dir": str(root / "runs"),
-                "run_name": attn,
+                "run_name": name,
             },
         )
-        out[attn] = train(cfg, progress=False)
+        out[name] = train(cfg, progress=False)
     return out
 
 
@@ -155,6 +160,34 @@ def test_fine_tuning_free_reweighting_override(runs):
         evaluate.evaluate_run(runs["lssa"], [1], attn="ssmax", progress=False)
 
 
+def test_rope_scaling_at_evaluation_is_labelled_and_cached_apart(runs):
+    """YaRN with factor auto is the trained model at 1x (s = 1) and another beyond; a fixed
+    factor is another evaluation (its own tag, label and cached result)."""
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    plain = evaluate.evaluate_run(runs["softmax"], [1, 4], **kw)
+    auto = evaluate.evaluate_run(runs["softmax"], [1, 4], rope_scaling="yarn", **kw)
+    x4 = evaluate.evaluate_run(runs["softmax"], [1, 4], rope_scaling="yarn", rope_factor=4, **kw)
+    assert auto["loss"]["16"] == plain["loss"]["16"]  # auto at 1x: s = 1, the trained RoPE
+    assert auto["loss"]["64"] != plain["loss"]["64"]
+    assert x4["loss"]["16"] != plain["loss"]["16"] and x4["loss"]["64"] == auto["loss"]["64"]
+    assert (auto["tag"], x4["tag"]) == ("softmax_yarn_auto", "softmax_yarn_x4")
+    assert evaluate.label_of(auto) == "softmax -> yarn auto (eval only)"
+    assert evaluate.label_of(x4) == "softmax -> yarn x4 (eval only)"
+    assert auto["rope_scaling"] == "yarn auto" and plain["rope_scaling"] is None
+    for r in (plain, auto, x4):  # three results on disk, none overwriting another
+        saved = runs["softmax"] / "eval" / r["tag"] / "results.json"
+        assert json.loads(saved.read_text())["loss"] == r["loss"]
+
+
+def test_alibi_run_is_labelled_with_its_positions(runs):
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    r = evaluate.evaluate_run(runs["softmax-alibi"], [1, 4], **kw)
+    assert r["trained_attention"] == r["evaluated_attention"] == "softmax + alibi"
+    assert evaluate.label_of(r) == "softmax + alibi" and np.isfinite(r["loss"]["64"])
+    with pytest.raises(ValueError, match="rescales RoPE; this model was trained with pos='alibi'"):
+        evaluate.evaluate_run(runs["softmax-alibi"], [1], rope_scaling="yarn", **kw)
+
+
 def test_bad_input(runs, tmp_path, capsys):
     for bad in ("0,2", "1,a", ""):
         with pytest.raises(ValueError, match="positive"):
@@ -167,6 +200,15 @@ def test_bad_input(runs, tmp_path, capsys):
         )
     assert cli_main(["eval", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    run = str(runs["softmax"])
+    for flags, match in (
+        (["--rope-scaling=pi"], "unknown --rope-scaling 'pi'; choose one of: linear, ntk, "),
+        (["--rope-scaling=yarn", "--rope-factor=0"], "--rope-factor must be a number > 0"),
+        (["--rope-factor=2"], "--rope-factor needs --rope-scaling"),
+    ):
+        assert cli_main(["eval", run, "--lengths=1", "--tokens=32", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and match in err and err.count("\n") == 1, err
 
 
 def test_passkey_probe_construction_and_scoring(runs):

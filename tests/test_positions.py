@@ -16,7 +16,13 @@ from transformers.models.bloom.modeling_bloom import _get_alibi_slopes  # noqa: 
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 
 from lssar.model import rope_cache  # noqa: E402
-from lssar.positions import ROPE_SCALINGS, RopeScaling, alibi_slopes  # noqa: E402
+from lssar.positions import (  # noqa: E402
+    ROPE_SCALINGS,
+    RopeScaling,
+    alibi_slopes,
+    hf_rope_parameters,
+    trained_inv_freq,
+)
 
 L, BASE = 128, 10000.0
 TOL = dict(atol=1e-6, rtol=1e-6)
@@ -28,13 +34,13 @@ def _llama(d: int, params: dict) -> LlamaConfig:
         num_attention_heads=2,
         head_dim=d,
         max_position_embeddings=L,
-        rope_parameters={**params, "rope_theta": BASE},
+        rope_parameters=dict(params),
     )
 
 
 def _hf(kind: str, factor: float) -> dict:
-    """Our scaling as transformers' ``rope_parameters`` (what :meth:`RopeScaling.to_hf` writes)."""
-    return RopeScaling(kind, factor).to_hf(L)
+    """Our scaling as transformers' ``rope_parameters`` (what the HF export writes)."""
+    return hf_rope_parameters(RopeScaling(kind, factor), L, BASE)
 
 
 @pytest.mark.parametrize("n", list(range(1, 17)) + [24, 32, 40])
@@ -85,11 +91,14 @@ def test_static_ntk_is_transformers_dynamic_at_f1_and_default_with_the_scaled_ba
 def test_auto_is_the_length_multiple_and_the_trained_rope_at_1x(kind):
     auto = RopeScaling(kind, "auto")
     assert auto.factor is None and auto.label == f"{kind} auto"
-    plain = 1.0 / BASE ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
-    for t in (1, 64, 128):  # up to the training length: the trained rotation exactly
+    for t in (1, 64, 128):  # up to the training length: the trained rotation, bit for bit
         inv, att = auto.frequencies(32, BASE, L, t)
-        torch.testing.assert_close(inv, plain.float(), atol=1e-7, rtol=0)
-        assert att == 1.0
+        assert torch.equal(inv, trained_inv_freq(BASE, 32)) and att == 1.0
+        assert torch.equal(
+            rope_cache(32, torch.arange(t), BASE, auto, L)[0],
+            rope_cache(32, torch.arange(t), BASE)[0],
+        )
+    assert torch.equal(RopeScaling("dynamic-ntk", 3.0).frequencies(32, BASE, L, L)[0], inv)
     for m in (2, 16):  # at m x L: the rule with s = m (dynamic NTK: f = 1, scale m by itself)
         fixed = RopeScaling(kind, 1.0 if kind == "dynamic-ntk" else float(m))
         (a_inv, a_att), (f_inv, f_att) = (r.frequencies(32, BASE, L, m * L) for r in (auto, fixed))
@@ -127,10 +136,10 @@ def test_labels_slugs_and_the_hf_form_round_trip():
     assert RopeScaling("linear", 2.5).slug() == "linear_x2p5"
     for kind in ROPE_SCALINGS:
         r = RopeScaling(kind, 4.0)
-        assert RopeScaling.from_hf(r.to_hf(L)) == r
-    assert RopeScaling("dynamic-ntk").to_hf(L)["factor"] == 1.0
+        assert RopeScaling.from_hf(hf_rope_parameters(r, L, BASE)) == r
+    assert RopeScaling("dynamic-ntk").to_hf()["factor"] == 1.0
     with pytest.raises(ValueError, match="auto depends on the evaluated length"):
-        RopeScaling("yarn").to_hf(L)
+        RopeScaling("yarn").to_hf()
     with pytest.raises(ValueError, match="rope_type 'longrope' is not one lssar-gpt runs"):
         RopeScaling.from_hf({"rope_type": "longrope"})
 

@@ -12,6 +12,7 @@ from lssar import data
 from lssar.cli import main as cli_main
 from lssar.integrations.lm_eval import LssarLM
 from lssar.model import GPT, GPTConfig
+from lssar.positions import RopeScaling
 from lssar.spec import AttentionSpec, run_label
 from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import report as reproduce_report
@@ -35,6 +36,9 @@ def test_labels_are_the_strings_reports_look_up():
     assert run_label(lssa, lssar15) == "lssa -> lssar p=15 (eval only)"
     assert run_label("lssa", "lssar p=15") == run_label(lssa, lssar15)
     assert run_label(lssa, lssa) == run_label("lssa") == "lssa"
+    # a RoPE scaling at evaluation, alone and with a switched rule (issue #24)
+    assert run_label("softmax", "softmax", "yarn auto") == "softmax -> yarn auto (eval only)"
+    assert run_label(lssa, lssar15, "yarn x4") == "lssa -> lssar p=15 + yarn x4 (eval only)"
     # the claims of reproduce's report are found by these labels
     assert {"softmax", "lssa", "lssar p=3", "lssar p=15"} <= set(reproduce_report.PAPER)
     quick = presets.PRESETS["quick"].arms
@@ -176,26 +180,55 @@ def test_old_run_dir_loads(old_runs):
     assert cfg.seq_len == 16 and meta["step"] == 1
 
 
+YARN4 = RopeScaling("yarn", 4.0)
+
+
 @pytest.mark.parametrize(
-    "run, switch, want",
+    "run, switch, want, rope",
     [
-        ("lssa", dict(attn_p=15.0), AttentionSpec("lssa", {"p": 15.0}, "chunked")),
-        ("lssa", dict(attn="lssar", attn_p=3.0), AttentionSpec("lssar", {"p": 3.0}, "chunked")),
-        ("softmax", dict(attn="lssar"), AttentionSpec("lssar", {}, "auto")),
+        ("lssa", dict(attn_p=15.0), AttentionSpec("lssa", {"p": 15.0}, "chunked"), None),
+        (
+            "lssa",
+            dict(attn="lssar", attn_p=3.0),
+            AttentionSpec("lssar", {"p": 3.0}, "chunked"),
+            None,
+        ),
+        ("softmax", dict(attn="lssar"), AttentionSpec("lssar", {}, "auto"), None),
+        (
+            "softmax",
+            dict(rope_scaling="yarn", rope_factor=4.0),
+            AttentionSpec("softmax", {}, "sdpa"),
+            YARN4,
+        ),
+        (
+            "lssa",
+            dict(attn="lssar", rope_scaling="ntk"),
+            AttentionSpec("lssar", {}, "chunked"),
+            RopeScaling("ntk"),
+        ),
     ],
 )
 def test_eval_sample_and_lm_eval_switch_by_the_same_rule(
-    old_runs, monkeypatch, capsys, run, switch, want
+    old_runs, monkeypatch, capsys, run, switch, want, rope
 ):
-    """``lssar eval``, ``lssar sample`` and ``lssar lm-eval`` end on the same spec."""
+    """``lssar eval``, ``lssar sample`` and ``lssar lm-eval`` end on the same spec and RoPE
+    scaling (from the run's training length)."""
     seen = []
     original = GPT.set_attention
 
     def spy(self, *args, **kw):
         original(self, *args, **kw)
-        seen.append(self.attn_spec)
+        seen.append((self.attn_spec, self.rope_scaling, self.rope_train_len))
 
     monkeypatch.setattr(GPT, "set_attention", spy)
+    original_rope = GPT.set_rope_scaling
+
+    def spy_rope(self, *args, **kw):
+        original_rope(self, *args, **kw)
+        seen[-1] = (self.attn_spec, self.rope_scaling, self.rope_train_len)
+
+    monkeypatch.setattr(GPT, "set_rope_scaling", spy_rope)
+    want = (want, rope, None if rope is None else 16)
     r = evaluate.evaluate_run(
         old_runs[run],
         [1],
@@ -205,14 +238,16 @@ def test_eval_sample_and_lm_eval_switch_by_the_same_rule(
         progress=False,
         **switch,
     )
-    assert seen[-1] == want and r["evaluated_attention"] == want.label
-    assert r["trained_attention"] == run and (old_runs[run] / "eval" / want.slug("_")).is_dir()
+    tag = want[0].slug("_") + ("" if rope is None else "_" + rope.slug())
+    assert seen[-1] == want and r["evaluated_attention"] == want[0].label
+    assert r["rope_scaling"] == (None if rope is None else rope.label)
+    assert r["trained_attention"] == run and (old_runs[run] / "eval" / tag).is_dir()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in switch.items()]
     assert sample_cli([str(old_runs[run]), "--max-new-tokens=2", *flags]) == 0
     assert seen[-1] == want
     capsys.readouterr()
     argv = ["eval", str(old_runs[run]), "--lengths=1", "--tokens=32", "--no-diagnostics", *flags]
     assert cli_main(argv) == 0
-    assert seen[-1] == want and f"eval/{want.slug('_')}" in capsys.readouterr().out
+    assert seen[-1] == want and f"eval/{tag}" in capsys.readouterr().out
     LssarLM(run=str(old_runs[run]), **switch)
     assert seen[-1] == want
