@@ -339,6 +339,48 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
     assert summary["softmax"]["16"]["n"] == 3
 
 
+def _alternative_results(yarn_16x: float, yarn_jitter: float = 0.0):
+    soft = [1.9, 2.0, 2.2, 2.5, 2.9]
+    rope = lambda kind, losses, jitter=0.0: [  # noqa: E731
+        r | {"rope_scaling": f"{kind} auto", "tag": f"softmax_{kind}_auto"}
+        for r in _arm("softmax", "softmax", losses, jitter=jitter)
+    ]
+    return [
+        *_arm("softmax", "softmax", soft),
+        *_arm("lssar p=15", "lssar p=15", [1.93, 1.95, 2.0, 2.1, 2.2]),
+        *_arm("softmax + alibi", "softmax + alibi", [1.92, 1.93, 1.95, 2.0, 2.05]),
+        *_arm("softmax + nope", "softmax + nope", [1.95, 2.4, 2.9, 3.3, 3.6]),
+        *_arm("lssar p=15 + nope", "lssar p=15 + nope", [1.96, 2.0, 2.1, 2.2, 2.3]),
+        *rope("linear", [1.9, 2.1, 2.3, 2.45, 2.6]),
+        *rope("yarn", [1.9, 1.95, 2.0, 2.05, yarn_16x], jitter=yarn_jitter),
+    ]
+
+
+def test_report_names_the_best_method_at_16x_only_beyond_noise(tmp_path, clean_env):
+    text = _report(tmp_path, _alternative_results(yarn_16x=2.1))
+    section = text.split("## LSSAR against the practitioner's alternatives")[1].split("\n## ")[0]
+    assert "| ALiBi (softmax, trained) | lssar p=15 - softmax + alibi |" in section
+    # at 16x LSSAR (2.2) is higher than ALiBi (2.05), lower than NoPE (3.6), every seed alike
+    row = next(ln for ln in section.splitlines() if ln.startswith("| ALiBi"))
+    assert row.endswith("| +0.150 ± 0.000 higher |")
+    row = next(ln for ln in section.splitlines() if ln.startswith("| NoPE (softmax"))
+    assert row.endswith("| -1.400 ± 0.000 lower |")
+    assert "| YaRN on softmax+RoPE | lssar p=15 - softmax -> yarn auto (eval only) |" in section
+    assert "| position interpolation (PI) on softmax+RoPE |" in section
+    assert (
+        "**softmax + alibi**, 2.050 ± 0.025: **the best method at 16x**, beyond noise: its paired "
+        "interval against every other method excludes 0 (runner-up: softmax -> yarn auto (eval "
+        "only) - softmax + alibi = +0.050 ± 0.000)."
+    ) in section
+    # YaRN 0.05 above ALiBi on average, but its seeds disagree (gaps 0, 0.05, 0.10): not separable
+    text = _report(tmp_path, _alternative_results(2.05, yarn_jitter=0.05), name="tie")
+    assert "but it is **not separable** from softmax -> yarn auto (eval only) at this power" in text
+    assert "the best method at 16x" not in text
+    one = [r for r in _alternative_results(2.1) if r["config"]["seed"] == 0]
+    text = _report(tmp_path, one, name="one", preset="quick")
+    assert "With one seed there is no interval, so no method is best beyond noise." in text
+
+
 def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, clean_env):
     results = [
         _fake("softmax", "softmax", [3.2, 4.2, 5.5, 6.3, 7.0], dirty=True),
@@ -381,12 +423,22 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
 
 
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
-    """Train 2 arms x 2 seeds, evaluate with the window control, an eval-time p and passkey,
-    write the report; a second invocation reuses every run and evaluation."""
+    """Train 5 arms x 2 seeds (softmax, lssa, lssar p=15, and the alternatives ALiBi and
+    LSSAR without positions), evaluate with the window control, an eval-time p, YaRN at the
+    length multiple and passkey, write the report; a second invocation reuses every run and
+    evaluation."""
     tiny = presets.Preset(
         "tiny",
         "tiny-cpu",
-        ["softmax", "window", "lssa"],
+        [
+            "softmax",
+            "window",
+            "lssa",
+            "lssar p=15",
+            "softmax + alibi",
+            "lssar p=15 + nope",
+            "softmax -> yarn auto",
+        ],
         seeds=[0, 1],
         multiples=[1, 2],
         eval_tokens=192,
@@ -408,16 +460,33 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
         "softmax, sliding window 96",
         "lssa",
         "lssa -> lssar p=15 (eval only)",
+        "lssar p=15",
+        "softmax + alibi",
+        "lssar p=15 + nope",
+        "softmax -> yarn auto (eval only)",
     ):
         assert f"| {label} | 2 x 192 |" in text, label
     assert "## Passkey retrieval" in text and "| softmax | " in text.split("## Passkey")[1]
-    assert "(4 runs)" in text and "## Provenance" in text
+    assert "(10 runs)" in text and "## Provenance" in text
     assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_window96` |" in text  # where it lives
+    assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_yarn_auto` |" in text  # on softmax's run
+    assert "| `tiny-cpu-softmax-alibi-s1/eval/tiny/softmax` |" in text
+    alternatives = text.split("## LSSAR against the practitioner's alternatives")[1]
+    assert "| ALiBi (softmax, trained) | lssar p=15 - softmax + alibi |" in alternatives
+    assert "| YaRN on softmax+RoPE | lssar p=15 - softmax -> yarn auto (eval only) |" in text
+    assert "Lowest mean loss at 2x among lssar p=15, softmax, softmax + alibi" in alternatives
     results = json.loads((out / "results.json").read_text())["results"]
-    assert len(results) == 8 and all(r["eval_version"] for r in results)
+    assert len(results) == 16 and all(r["eval_version"] for r in results)
     assert sum("passkey" in r for r in results) == 2  # the passkey arm (softmax), 2 seeds
+    # YaRN at factor auto is the softmax model itself at 1x
+    by = {(Path(r["run"]).name, r["tag"]): r for r in results}
+    yarn, soft = (
+        by[("tiny-cpu-softmax-s0", "softmax_yarn_auto")],
+        by[("tiny-cpu-softmax-s0", "softmax")],
+    )
+    assert yarn["loss"]["96"] == soft["loss"]["96"] and yarn["loss"]["192"] != soft["loss"]["192"]
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
-    assert len(stamps) == 8  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
+    assert len(stamps) == 16  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
     assert all(p.parent.parent.name == "tiny" for p in stamps)
     again = reproduce.reproduce("tiny", overrides=overrides, **kw)
     assert (again / "REPORT.md").exists()
@@ -426,7 +495,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
 
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     assert cli_main(["reproduce", "--preset", "huge"]) == 2
-    assert "choose from quick, cpu, paper" in capsys.readouterr().err
+    assert "choose from quick, cpu, cpu-baselines, paper" in capsys.readouterr().err
     assert cli_main(["reproduce", "--preset", "paper"]) == 0
     plan = capsys.readouterr().out
     assert plan.count("torchrun --standalone --nproc_per_node=8 -m lssar train") == 9

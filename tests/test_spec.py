@@ -16,6 +16,7 @@ from lssar.positions import RopeScaling
 from lssar.spec import AttentionSpec, run_label
 from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import report as reproduce_report
+from lssar.studies.lm.presets import SOFTMAX
 from lssar.train import sample_cli
 from lssar.train.config import TrainConfig, model_config
 from lssar.train.runs import load_run, save_checkpoint
@@ -44,6 +45,36 @@ def test_labels_are_the_strings_reports_look_up():
     quick = presets.PRESETS["quick"].arms
     assert quick == ["softmax", "window", "lssa", "lssar p=15"]
     assert [presets.ARMS[a].attention.label for a in quick] == ["softmax", "softmax", *quick[2:]]
+
+
+def test_eval_rules_carry_an_attention_switch_and_or_a_rope_scaling():
+    from lssar.studies.common import Arm, EvalRule
+
+    p15, yarn = AttentionSpec("lssar", {"p": 15.0}), RopeScaling("yarn")
+    assert EvalRule(p15).label == "lssar p=15" and EvalRule(p15).slug() == "lssar-p15"
+    assert EvalRule(rope=yarn).label == "yarn auto" and EvalRule(rope=yarn).slug() == "yarn-auto"
+    assert EvalRule(p15, yarn).label == "lssar p=15 + yarn auto"
+    with pytest.raises(ValueError, match="needs an attention switch, a RoPE scaling, or both"):
+        EvalRule()
+    # an AttentionSpec in evals is the rule that switches to it: the existing arms are unchanged
+    lssa = presets.ARMS["lssa"]
+    assert lssa.evals == tuple(EvalRule(s) for s in presets.EVAL_REWEIGHT)
+    assert [e.label for e in lssa.evals] == [f"lssar p={p:g}" for p in (1, 3, 8, 15)]
+    assert presets.PRESETS["cpu"].arms == presets.PAPER_ARMS == [
+        "softmax", "window", "sigmoid", "relu", "softplus-l1", "lssa", "lssar p=3",
+        "lssar p=15", "softmax-qknorm-logn", "ssmax",
+    ]  # fmt: skip
+    alibi = presets.ARMS["softmax + alibi"]
+    assert (alibi.trained_label, alibi.pos, alibi.attention) == (
+        "softmax + alibi",
+        "alibi",
+        SOFTMAX,
+    )
+    assert presets.ALTERNATIVES[-1] == "softmax -> yarn auto (eval only)"
+    with pytest.raises(ValueError, match="pos='alibi' biases the scores"):
+        Arm("x", AttentionSpec("lssa"), pos="alibi")
+    with pytest.raises(ValueError, match="no rule of its own and no eval-only rules"):
+        Arm("x", SOFTMAX, own_rule=False)
 
 
 def test_spec_is_a_validated_frozen_value():
