@@ -12,6 +12,7 @@ Prints a Markdown table and the machine, threads and torch version.
     python benchmarks/attention.py --quick         # T = 1K, 2K, fp32 (a minute)
     python benchmarks/attention.py --lengths 4096 --dtypes fp32 --out table.md
     python benchmarks/attention.py --threads 1     # one core: steadier ratios on a busy VM
+    python benchmarks/attention.py --cases ALiBi --lengths 4096 16384   # SDPA + the ALiBi rows
 
 The materialised reference is skipped where its T x T buffers would not fit (``--ref-max-t``).
 """
@@ -183,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        help="only the cases whose label contains one of these (SDPA softmax, the baseline, "
+        "always runs)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     for dname in args.dtypes:
         for t in args.lengths:
             cases = [c for c in CASES if not c[2].startswith("reference") or t <= args.ref_max_t]
+            if args.cases:
+                cases = cases[:1] + [c for c in cases[1:] if any(w in c[0] for w in args.cases)]
             results = run_length(cases, t, DTYPES[dname], args)
             base = results[cases[0][0]]
             for label, r in results.items():
