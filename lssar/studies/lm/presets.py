@@ -132,7 +132,10 @@ PRESETS = {
         eval_tokens=32768,
         passkey=PASSKEY_CPU,
         passkey_arms=[SOFTMAX.label, LSSAR15.label],
-        budget="BUDGET",
+        # estimated from tiny-cpu step times measured against softmax (ALiBi 0.9x, NoPE 1.1x,
+        # LSSAR + NoPE as LSSAR) and an evaluation's wall time (about 1 min at cpu's settings)
+        budget="~45 min on 2 CPU cores after cpu (reuses its softmax and LSSAR p=15 runs and "
+        "evaluations), ~80 min on its own",
         eval_folder="cpu",
     ),
     "paper": Preset(

@@ -184,7 +184,8 @@ PRESETS = {
         StudyConfig(
             arms=("softmax", "lssar p=15", *ALTERNATIVE_ARMS), seeds=(0, 1, 2, 3, 4), jobs=2
         ),
-        "BUDGET",
+        # 15 new models of ~1-1.6 min each (1 thread), 2 workers; the RoPE scalings cost seconds
+        "<= 30 min on 2 CPU cores (~15 min after cpu, whose softmax and LSSAR models it reuses)",
     ),
 }
 
