@@ -43,6 +43,7 @@ N_POSITION_BUCKETS = 32
 _EVAL_SOURCES = (
     "studies/lm/evaluate.py",
     "model.py",
+    "positions.py",
     "spec.py",
     "data/batches.py",
     "data/passkey.py",
