@@ -4,12 +4,15 @@ For each (variant, impl, T, dtype): forward time, forward+backward time and peak
 (resident set growth, Linux ``VmHWM`` reset per measurement), with the ratio to SDPA softmax
 measured in the same run; the cases are interleaved round by round, so a slow spell of a shared
 machine hits them alike. A last row times the GEMMs alone (the floor of any fused causal kernel).
+The ALiBi rows (``+alibi``: softmax with ALiBi's bias, the standard slopes of H heads) show what
+the SDPA path's query blocks cost against plain SDPA softmax and the materialised reference.
 Prints a Markdown table and the machine, threads and torch version.
 
     python benchmarks/attention.py                 # full grid: T = 1K..16K, fp32 and bf16
     python benchmarks/attention.py --quick         # T = 1K, 2K, fp32 (a minute)
     python benchmarks/attention.py --lengths 4096 --dtypes fp32 --out table.md
     python benchmarks/attention.py --threads 1     # one core: steadier ratios on a busy VM
+    python benchmarks/attention.py --cases ALiBi --lengths 4096 16384   # SDPA + the ALiBi rows
 
 The materialised reference is skipped where its T x T buffers would not fit (``--ref-max-t``).
 """
@@ -30,6 +33,7 @@ import torch
 
 import lssar
 from lssar.ops.cpu_kernel import build_isa
+from lssar.positions import alibi_slopes
 
 CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax (SDPA)", "softmax", "sdpa"),
@@ -40,6 +44,8 @@ CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("lssa reference", "lssa", "reference"),
     ("lssar p=15 reference", "lssar", "reference"),
     ("softmax-qknorm-logn (SDPA)", "softmax-qknorm-logn", "sdpa"),
+    ("softmax + ALiBi (SDPA, query blocks)", "softmax", "sdpa+alibi"),
+    ("softmax + ALiBi reference", "softmax", "reference+alibi"),
     ("QK^T and PV GEMMs only (floor)", None, "gemm"),
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -99,13 +105,15 @@ def case_fns(variant: str, impl: str, q, k, v):
     if impl == "gemm":
         return (lambda: gemm_floor(q, k, v)), None
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    impl, _, extra = impl.partition("+")
+    kw = {"alibi_slopes": alibi_slopes(q.shape[1])} if extra == "alibi" else {}
 
     def fwd():
         with torch.no_grad():
-            lssar.attention(q, k, v, is_causal=True, variant=variant, impl=impl)
+            lssar.attention(q, k, v, is_causal=True, variant=variant, impl=impl, **kw)
 
     def fwd_bwd():
-        out = lssar.attention(qg, kg, vg, is_causal=True, variant=variant, impl=impl)
+        out = lssar.attention(qg, kg, vg, is_causal=True, variant=variant, impl=impl, **kw)
         out.backward(torch.ones_like(out))
         qg.grad = kg.grad = vg.grad = None
 
@@ -176,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        help="only the cases whose label contains one of these (SDPA softmax, the baseline, "
+        "always runs)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     for dname in args.dtypes:
         for t in args.lengths:
-            cases = [c for c in CASES if c[2] != "reference" or t <= args.ref_max_t]
+            cases = [c for c in CASES if not c[2].startswith("reference") or t <= args.ref_max_t]
+            if args.cases:
+                cases = cases[:1] + [c for c in cases[1:] if any(w in c[0] for w in args.cases)]
             results = run_length(cases, t, DTYPES[dname], args)
             base = results[cases[0][0]]
             for label, r in results.items():

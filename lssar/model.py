@@ -1,11 +1,14 @@
 """A GPT with pluggable attention (nanoGPT-shaped, one file).
 
-Token embedding, RoPE (no learned positions, no length cap: it runs at any length), pre-norm blocks
-of attention + MLP, and a tied output head. The attention rule is chosen by name from
-``lssar.variants()`` (``attn="softmax" | "lssa" | "lssar" | ...``, options such as ``p`` in
-``attn_options``); the model runs ``GPT.attn_spec``, an :class:`lssar.spec.AttentionSpec`, which
-may be switched after training with :meth:`GPT.set_attention` (e.g. evaluate an LSSA-trained
-model with re-weighting p=15: the paper's fine-tuning-free mode).
+Token embedding, positions (``pos``: RoPE by default, ALiBi or none; no learned positions, no
+length cap: it runs at any length; :mod:`lssar.positions`), pre-norm blocks of attention + MLP,
+and a tied output head. The attention rule is chosen by name from ``lssar.variants()``
+(``attn="softmax" | "lssa" | "lssar" | ...``, options such as ``p`` in ``attn_options``); the
+model runs ``GPT.attn_spec``, an :class:`lssar.spec.AttentionSpec`, which may be switched after
+training with :meth:`GPT.set_attention` (e.g. evaluate an LSSA-trained model with re-weighting
+p=15: the paper's fine-tuning-free mode), and a RoPE model's rotation may be rescaled after
+training (:meth:`GPT.set_rope_scaling`: PI, NTK, dynamic NTK, YaRN). :meth:`GPT.switch` is the
+one eval-time rule of ``lssar eval``, ``lssar sample`` and ``lssar lm-eval``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import Tensor
 
 from lssar.ops.reference import attention_weights
 from lssar.ops.registry import attention, get_variant
+from lssar.positions import ROPE_SCALINGS, RopeScaling, alibi_slopes, check_pos
 from lssar.spec import AttentionSpec, check_attention
 
 
@@ -59,6 +63,7 @@ class GPTConfig:
     mlp_ratio: float = 4.0
     dropout: float = 0.0
     rope_base: float = 10000.0
+    pos: str = "rope"  # "rope" | "alibi" | "nope" (lssar.positions); runs before it: rope
     attn: str = "softmax"
     attn_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"p": 15.0}
     attn_impl: str = "auto"
@@ -87,12 +92,13 @@ class GPTConfig:
             )
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if (self.n_embd // self.n_head) % 2:
+        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError("head dim (n_embd / n_head) must be even for RoPE")
         kv = self.n_kv_head or self.n_head
         if self.n_head % kv:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
         check_attention(self.attn, self.attn_options, self.attn_impl)
+        check_pos(self.pos, self.attn)
 
     @property
     def attention(self) -> AttentionSpec:
@@ -100,11 +106,27 @@ class GPTConfig:
         return AttentionSpec(self.attn, self.attn_options, self.attn_impl)
 
 
-def rope_cache(head_dim: int, positions: Tensor, base: float) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape ``(T, head_dim / 2)`` for absolute ``positions (T,)``."""
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    ang = positions.float()[:, None] * inv[None, :]
-    return ang.cos(), ang.sin()
+def rope_cache(
+    head_dim: int,
+    positions: Tensor,
+    base: float,
+    scaling: RopeScaling | None = None,
+    train_len: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape ``(T, head_dim / 2)`` for absolute ``positions (T,)``.
+
+    ``scaling`` rescales the rotation of a model trained at ``train_len`` tokens for an input
+    whose largest position is ``positions.max()`` (:meth:`RopeScaling.frequencies`; its
+    attention factor multiplies cos and sin, as in transformers)."""
+    if scaling is None:
+        dims = torch.arange(0, head_dim, 2, device=positions.device).float()
+        inv = 1.0 / base ** (dims / head_dim)
+        ang = positions.float()[:, None] * inv[None, :]
+        return ang.cos(), ang.sin()
+    seq_len = int(positions.max()) + 1 if positions.numel() else 0
+    inv, factor = scaling.frequencies(head_dim, base, train_len, seq_len)
+    ang = positions.float()[:, None] * inv.to(positions.device)[None, :]
+    return ang.cos() * factor, ang.sin() * factor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -149,19 +171,21 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        cos: Tensor | None,
+        sin: Tensor | None,
         spec: AttentionSpec,
         cache: KVCache | None = None,
         layer: int = 0,
         weights: list | None = None,
         attn_mask: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         """``x (B, T, C)`` -> ``(B, T, C)``; appends ``(B, H, T, T_k)`` weights if asked.
 
-        ``cache`` is anything with ``update(layer, k, v) -> (k, v)`` (a :class:`KVCache`, or an
-        adapter over a transformers cache); ``attn_mask`` (bool, broadcastable to
-        ``(B, H, T, T_k)``, e.g. key padding) is combined with the causal mask.
+        ``cos``/``sin`` rotate q and k (RoPE; None: no rotation); ``alibi`` (``(H,)`` slopes)
+        biases the scores. ``cache`` is anything with ``update(layer, k, v) -> (k, v)`` (a
+        :class:`KVCache`, or an adapter over a transformers cache); ``attn_mask`` (bool,
+        broadcastable to ``(B, H, T, T_k)``, e.g. key padding) is combined with the causal mask.
         """
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(
@@ -171,7 +195,8 @@ class Attention(nn.Module):
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         name, options, impl = spec.name, spec.options, spec.impl
@@ -189,6 +214,7 @@ class Attention(nn.Module):
             gqa,
             variant=name,
             impl=impl,
+            alibi_slopes=alibi,
             **options,
         )
         if weights is not None:
@@ -203,6 +229,7 @@ class Attention(nn.Module):
                         gqa,
                         variant=get_variant(name),
                         options=options,
+                        alibi_slopes=alibi,
                     )
                 )
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
@@ -225,15 +252,16 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        cos: Tensor | None,
+        sin: Tensor | None,
         spec: AttentionSpec,
         cache=None,
         layer: int = 0,
         weights: list | None = None,
         attn_mask: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights, attn_mask)
+        x = x + self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights, attn_mask, alibi)
         return x + self.mlp(self.ln2(x))
 
 
@@ -249,6 +277,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
+        self.rope_scaling: RopeScaling | None = None  # an eval-time rescaling of RoPE
+        self.rope_train_len: int | None = None  # the length it rescales from
         self.set_attention(cfg.attention)
         self.apply(self._init)
         for name, p in self.named_parameters():
@@ -280,7 +310,40 @@ class GPT(nn.Module):
                 "ssmax needs per-head scales learned in training; this model was trained with "
                 f"{self.cfg.attn!r}, so it cannot switch to ssmax"
             )
+        check_pos(self.cfg.pos, spec.name)  # an ALiBi model keeps a variant it can bias
         self.attn_spec = spec
+
+    def set_rope_scaling(self, scaling: RopeScaling | None, train_len: int | None = None) -> None:
+        """Rescale the rotation of this RoPE model, trained at ``train_len`` tokens, from now on
+        (``None``: the trained rotation). ``ValueError`` for a model without RoPE."""
+        if scaling is not None:
+            if self.cfg.pos != "rope":
+                raise ValueError(
+                    f"--rope-scaling ({', '.join(ROPE_SCALINGS)}) rescales RoPE; this model was "
+                    f"trained with pos={self.cfg.pos!r} (no rotation), so it takes none"
+                )
+            if not isinstance(train_len, int) or train_len < 1:
+                raise ValueError(f"a RoPE scaling needs the training length, got {train_len!r}")
+        self.rope_scaling = scaling
+        self.rope_train_len = train_len if scaling is not None else None
+
+    def switch(
+        self,
+        attn: str | None = None,
+        attn_p: float | None = None,
+        rope_scaling: str | None = None,
+        rope_factor: Any = None,
+        train_len: int | None = None,
+    ) -> None:
+        """The eval-time switch of ``lssar eval``, ``lssar sample`` and ``lssar lm-eval``, one
+        rule for all three: the attention by :meth:`AttentionSpec.override` (``attn``,
+        ``attn_p``), the RoPE scaling by :meth:`RopeScaling.from_flags` (``rope_scaling``,
+        ``rope_factor``: a number or ``"auto"``, the default) from the training length
+        ``train_len``. ``None`` keeps what the model runs."""
+        scaling = RopeScaling.from_flags(rope_scaling, rope_factor)  # bad flags fail first
+        self.set_attention(self.attn_spec.override(attn, p=attn_p))
+        if scaling is not None:
+            self.set_rope_scaling(scaling, train_len)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -296,20 +359,32 @@ class GPT(nn.Module):
     ) -> Tensor:
         """Run the blocks on embeddings ``h (B, T, C)`` at absolute positions ``pos..pos+T``.
 
-        ``positions`` (``(T,)``, or ``(B|1, T)`` per row) overrides the RoPE positions;
+        ``positions`` (``(T,)``, or ``(B|1, T)`` per row) overrides the RoPE positions (ALiBi
+        and NoPE read none: ALiBi's bias is the distance in the sequence, padding included,
+        which left padding leaves unchanged between real tokens);
         ``attn_mask`` (bool, broadcastable to ``(B, H, T, T_k)``, True = may attend) is combined
         with the causal mask in every layer.
         """
-        if positions is None:
-            positions = torch.arange(pos, pos + h.shape[1], device=h.device)
-        head_dim = self.cfg.n_embd // self.cfg.n_head
-        cos, sin = rope_cache(head_dim, positions.reshape(-1), self.cfg.rope_base)
-        if positions.dim() == 2:  # per row: (B|1, 1, T, D/2), broadcast over the heads
-            cos = cos.view(positions.shape[0], 1, positions.shape[1], -1)
-            sin = sin.view(positions.shape[0], 1, positions.shape[1], -1)
+        cos = sin = alibi = None
+        if self.cfg.pos == "rope":
+            if positions is None:
+                positions = torch.arange(pos, pos + h.shape[1], device=h.device)
+            head_dim = self.cfg.n_embd // self.cfg.n_head
+            cos, sin = rope_cache(
+                head_dim,
+                positions.reshape(-1),
+                self.cfg.rope_base,
+                self.rope_scaling,
+                self.rope_train_len,
+            )
+            if positions.dim() == 2:  # per row: (B|1, 1, T, D/2), broadcast over the heads
+                cos = cos.view(positions.shape[0], 1, positions.shape[1], -1)
+                sin = sin.view(positions.shape[0], 1, positions.shape[1], -1)
+        elif self.cfg.pos == "alibi":  # the bias follows key/query order, not position ids
+            alibi = alibi_slopes(self.cfg.n_head).to(h.device)
         h = self.drop(h)
         for i, block in enumerate(self.blocks):
-            h = block(h, cos, sin, self.attn_spec, cache, i, weights, attn_mask)
+            h = block(h, cos, sin, self.attn_spec, cache, i, weights, attn_mask, alibi)
         return self.ln_f(h)
 
     def forward(

@@ -158,9 +158,18 @@ class AttentionSpec:
         return {"attn": self.name, "attn_p": self.options.get("p"), "attn_impl": self.impl}
 
 
-def run_label(trained: AttentionSpec | str, evaluated: AttentionSpec | str | None = None) -> str:
+def run_label(
+    trained: AttentionSpec | str,
+    evaluated: AttentionSpec | str | None = None,
+    rope_scaling: str | None = None,
+) -> str:
     """The label of a result: the trained rule's, or ``"lssa -> lssar p=15 (eval only)"`` when
-    it was evaluated with another rule. Accepts specs or their labels (as results store them)."""
+    it was evaluated with another rule, ``"softmax -> yarn auto (eval only)"`` with a RoPE
+    scaling (``rope_scaling``: its label), ``"lssa -> lssar p=15 + yarn x4 (eval only)"`` with
+    both. Accepts specs or their labels (as results store them)."""
     t = trained.label if isinstance(trained, AttentionSpec) else trained
     e = evaluated.label if isinstance(evaluated, AttentionSpec) else evaluated
+    if rope_scaling:
+        switched = rope_scaling if e is None or e == t else f"{e} + {rope_scaling}"
+        return f"{t} -> {switched} {EVAL_ONLY}"
     return t if e is None or e == t else f"{t} -> {e} {EVAL_ONLY}"

@@ -44,18 +44,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval")
     data_dir = data.prepare("shakespeare", "byte", root / "data", max_tokens=60_000, progress=False)
     out = {}
-    for attn in ("lssa", "softmax"):
+    for name, attn, pos in (
+        ("lssa", "lssa", "rope"),
+        ("softmax", "softmax", "rope"),
+        ("softmax-alibi", "softmax", "alibi"),
+    ):
         cfg = load_config(
             None,
             TINY
             | {
                 "attn": attn,
+                "pos": pos,
                 "data_dir": str(data_dir),
                 "out_dir": str(root / "runs"),
-                "run_name": attn,
+                "run_name": name,
             },
         )
-        out[attn] = train(cfg, progress=False)
+        out[name] = train(cfg, progress=False)
     return out
 
 
@@ -185,6 +190,34 @@ def test_fine_tuning_free_reweighting_override(runs):
         evaluate.evaluate_run(runs["lssa"], [1], attn="ssmax", progress=False)
 
 
+def test_rope_scaling_at_evaluation_is_labelled_and_cached_apart(runs):
+    """YaRN with factor auto is the trained model at 1x (s = 1) and another beyond; a fixed
+    factor is another evaluation (its own tag, label and cached result)."""
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    plain = evaluate.evaluate_run(runs["softmax"], [1, 4], **kw)
+    auto = evaluate.evaluate_run(runs["softmax"], [1, 4], rope_scaling="yarn", **kw)
+    x4 = evaluate.evaluate_run(runs["softmax"], [1, 4], rope_scaling="yarn", rope_factor=4, **kw)
+    assert auto["loss"]["16"] == plain["loss"]["16"]  # auto at 1x: s = 1, the trained RoPE
+    assert auto["loss"]["64"] != plain["loss"]["64"]
+    assert x4["loss"]["16"] != plain["loss"]["16"] and x4["loss"]["64"] == auto["loss"]["64"]
+    assert (auto["tag"], x4["tag"]) == ("softmax_yarn_auto", "softmax_yarn_x4")
+    assert evaluate.label_of(auto) == "softmax -> yarn auto (eval only)"
+    assert evaluate.label_of(x4) == "softmax -> yarn x4 (eval only)"
+    assert auto["rope_scaling"] == "yarn auto" and plain["rope_scaling"] is None
+    for r in (plain, auto, x4):  # three results on disk, none overwriting another
+        saved = runs["softmax"] / "eval" / r["tag"] / "results.json"
+        assert json.loads(saved.read_text())["loss"] == r["loss"]
+
+
+def test_alibi_run_is_labelled_with_its_positions(runs):
+    kw = dict(eval_tokens=256, diagnostics=False, health=False, progress=False)
+    r = evaluate.evaluate_run(runs["softmax-alibi"], [1, 4], **kw)
+    assert r["trained_attention"] == r["evaluated_attention"] == "softmax + alibi"
+    assert evaluate.label_of(r) == "softmax + alibi" and np.isfinite(r["loss"]["64"])
+    with pytest.raises(ValueError, match="rescales RoPE; this model was trained with pos='alibi'"):
+        evaluate.evaluate_run(runs["softmax-alibi"], [1], rope_scaling="yarn", **kw)
+
+
 def test_bad_input(runs, tmp_path, capsys):
     for bad in ("0,2", "1,a", ""):
         with pytest.raises(ValueError, match="positive"):
@@ -197,6 +230,15 @@ def test_bad_input(runs, tmp_path, capsys):
         )
     assert cli_main(["eval", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    run = str(runs["softmax"])
+    for flags, match in (
+        (["--rope-scaling=pi"], "unknown --rope-scaling 'pi'; choose one of: linear, ntk, "),
+        (["--rope-scaling=yarn", "--rope-factor=0"], "--rope-factor must be a number > 0"),
+        (["--rope-factor=2"], "--rope-factor needs --rope-scaling"),
+    ):
+        assert cli_main(["eval", run, "--lengths=1", "--tokens=32", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and match in err and err.count("\n") == 1, err
 
 
 def test_passkey_probe_construction_and_scoring(runs):
@@ -327,6 +369,48 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
     assert summary["softmax"]["16"]["n"] == 3
 
 
+def _alternative_results(yarn_16x: float, yarn_jitter: float = 0.0):
+    soft = [1.9, 2.0, 2.2, 2.5, 2.9]
+    rope = lambda kind, losses, jitter=0.0: [  # noqa: E731
+        r | {"rope_scaling": f"{kind} auto", "tag": f"softmax_{kind}_auto"}
+        for r in _arm("softmax", "softmax", losses, jitter=jitter)
+    ]
+    return [
+        *_arm("softmax", "softmax", soft),
+        *_arm("lssar p=15", "lssar p=15", [1.93, 1.95, 2.0, 2.1, 2.2]),
+        *_arm("softmax + alibi", "softmax + alibi", [1.92, 1.93, 1.95, 2.0, 2.05]),
+        *_arm("softmax + nope", "softmax + nope", [1.95, 2.4, 2.9, 3.3, 3.6]),
+        *_arm("lssar p=15 + nope", "lssar p=15 + nope", [1.96, 2.0, 2.1, 2.2, 2.3]),
+        *rope("linear", [1.9, 2.1, 2.3, 2.45, 2.6]),
+        *rope("yarn", [1.9, 1.95, 2.0, 2.05, yarn_16x], jitter=yarn_jitter),
+    ]
+
+
+def test_report_names_the_best_method_at_16x_only_beyond_noise(tmp_path, clean_env):
+    text = _report(tmp_path, _alternative_results(yarn_16x=2.1))
+    section = text.split("## LSSAR against the practitioner's alternatives")[1].split("\n## ")[0]
+    assert "| ALiBi (softmax, trained) | lssar p=15 - softmax + alibi |" in section
+    # at 16x LSSAR (2.2) is higher than ALiBi (2.05), lower than NoPE (3.6), every seed alike
+    row = next(ln for ln in section.splitlines() if ln.startswith("| ALiBi"))
+    assert row.endswith("| +0.150 ± 0.000 higher |")
+    row = next(ln for ln in section.splitlines() if ln.startswith("| NoPE (softmax"))
+    assert row.endswith("| -1.400 ± 0.000 lower |")
+    assert "| YaRN on softmax+RoPE | lssar p=15 - softmax -> yarn auto (eval only) |" in section
+    assert "| position interpolation (PI) on softmax+RoPE |" in section
+    assert (
+        "**softmax + alibi**, 2.050 ± 0.025: **the best method at 16x**, beyond noise: its paired "
+        "interval against every other method excludes 0 (runner-up: softmax -> yarn auto (eval "
+        "only) - softmax + alibi = +0.050 ± 0.000)."
+    ) in section
+    # YaRN 0.05 above ALiBi on average, but its seeds disagree (gaps 0, 0.05, 0.10): not separable
+    text = _report(tmp_path, _alternative_results(2.05, yarn_jitter=0.05), name="tie")
+    assert "but it is **not separable** from softmax -> yarn auto (eval only) at this power" in text
+    assert "the best method at 16x" not in text
+    one = [r for r in _alternative_results(2.1) if r["config"]["seed"] == 0]
+    text = _report(tmp_path, one, name="one", preset="quick")
+    assert "With one seed there is no interval, so no method is best beyond noise." in text
+
+
 def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, clean_env):
     results = [
         _fake("softmax", "softmax", [3.2, 4.2, 5.5, 6.3, 7.0], dirty=True),
@@ -369,12 +453,22 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
 
 
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
-    """Train 2 arms x 2 seeds, evaluate with the window control, an eval-time p and passkey,
-    write the report; a second invocation reuses every run and evaluation."""
+    """Train 5 arms x 2 seeds (softmax, lssa, lssar p=15, and the alternatives ALiBi and
+    LSSAR without positions), evaluate with the window control, an eval-time p, YaRN at the
+    length multiple and passkey, write the report; a second invocation reuses every run and
+    evaluation."""
     tiny = presets.Preset(
         "tiny",
         "tiny-cpu",
-        ["softmax", "window", "lssa"],
+        [
+            "softmax",
+            "window",
+            "lssa",
+            "lssar p=15",
+            "softmax + alibi",
+            "lssar p=15 + nope",
+            "softmax -> yarn auto",
+        ],
         seeds=[0, 1],
         multiples=[1, 2],
         eval_tokens=192,
@@ -396,16 +490,33 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
         "softmax, sliding window 96",
         "lssa",
         "lssa -> lssar p=15 (eval only)",
+        "lssar p=15",
+        "softmax + alibi",
+        "lssar p=15 + nope",
+        "softmax -> yarn auto (eval only)",
     ):
         assert f"| {label} | 2 x 192 |" in text, label
     assert "## Passkey retrieval" in text and "| softmax | " in text.split("## Passkey")[1]
-    assert "(4 runs)" in text and "## Provenance" in text
+    assert "(10 runs)" in text and "## Provenance" in text
     assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_window96` |" in text  # where it lives
+    assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_yarn_auto` |" in text  # on softmax's run
+    assert "| `tiny-cpu-softmax-alibi-s1/eval/tiny/softmax` |" in text
+    alternatives = text.split("## LSSAR against the practitioner's alternatives")[1]
+    assert "| ALiBi (softmax, trained) | lssar p=15 - softmax + alibi |" in alternatives
+    assert "| YaRN on softmax+RoPE | lssar p=15 - softmax -> yarn auto (eval only) |" in text
+    assert "Lowest mean loss at 2x among lssar p=15, softmax, softmax + alibi" in alternatives
     results = json.loads((out / "results.json").read_text())["results"]
-    assert len(results) == 8 and all(r["eval_version"] for r in results)
+    assert len(results) == 16 and all(r["eval_version"] for r in results)
     assert sum("passkey" in r for r in results) == 2  # the passkey arm (softmax), 2 seeds
+    # YaRN at factor auto is the softmax model itself at 1x
+    by = {(Path(r["run"]).name, r["tag"]): r for r in results}
+    yarn, soft = (
+        by[("tiny-cpu-softmax-s0", "softmax_yarn_auto")],
+        by[("tiny-cpu-softmax-s0", "softmax")],
+    )
+    assert yarn["loss"]["96"] == soft["loss"]["96"] and yarn["loss"]["192"] != soft["loss"]["192"]
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
-    assert len(stamps) == 8  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
+    assert len(stamps) == 16  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
     assert all(p.parent.parent.name == "tiny" for p in stamps)
     again = reproduce.reproduce("tiny", overrides=overrides, **kw)
     assert (again / "REPORT.md").exists()
@@ -414,7 +525,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
 
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     assert cli_main(["reproduce", "--preset", "huge"]) == 2
-    assert "choose from quick, cpu, paper" in capsys.readouterr().err
+    assert "choose from quick, cpu, cpu-baselines, paper" in capsys.readouterr().err
     assert cli_main(["reproduce", "--preset", "paper"]) == 0
     plan = capsys.readouterr().out
     assert plan.count("torchrun --standalone --nproc_per_node=8 -m lssar train") == 9

@@ -444,13 +444,13 @@ def test_hf_config_refuses_bad_sizes(kw, match, tmp_path):
 # ------------------------------------------------------------------------------ export
 
 
-def make_tiny_run(root: Path, attn: str = "lssa") -> Path:
+def make_tiny_run(root: Path, attn: str = "lssa", pos: str = "rope", name: str = "tiny") -> Path:
     """A finished 2-step training run on a small local byte-level corpus (a few seconds)."""
     from lssar import data
     from lssar.train import TrainConfig, train
 
     corpus = root / "corpus"
-    corpus.mkdir(parents=True)
+    corpus.mkdir(parents=True, exist_ok=True)
     r = random.Random(0)
     for i in range(6):
         lines = (" ".join(r.choice(WORDS) for _ in range(8)) for _ in range(60))
@@ -459,8 +459,8 @@ def make_tiny_run(root: Path, attn: str = "lssa") -> Path:
     cfg = TrainConfig(
         data_dir=str(d), tokenizer="byte", n_layer=1, n_head=2, n_embd=32, seq_len=32,
         batch_size=2, max_steps=2, warmup_steps=1, eval_every=2, eval_tokens=64, ckpt_every=2,
-        log_every=1, out_dir=str(root / "runs"), run_name="tiny", device="cpu", attn=attn,
-        dtype="fp32",
+        log_every=1, out_dir=str(root / "runs"), run_name=name, device="cpu", attn=attn,
+        dtype="fp32", pos=pos,
     )  # fmt: skip
     return train(cfg, progress=False)
 
@@ -532,3 +532,59 @@ def test_gpt2_tokenizer_export_matches_lssar():
     text = "Hello world! Señor ♥ it's 12345 tokens...\n\n  The pass key is 98765."
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
     assert theirs.eos_token_id == ours.eot
+
+
+@pytest.mark.parametrize(
+    "attn,pos,flags,written",
+    [
+        ("softmax", "alibi", [], {"pos": "alibi"}),
+        ("softmax-qknorm-logn", "alibi", [], {"pos": "alibi"}),
+        ("lssar", "nope", [], {"pos": "nope"}),
+        ("softmax", "rope", ["--rope-scaling=yarn", "--rope-factor=4"], {"rope_type": "yarn"}),
+        ("softmax", "rope", ["--rope-scaling=linear", "--rope-factor=2"], {"rope_type": "linear"}),
+        ("softmax", "rope", ["--rope-scaling=ntk", "--rope-factor=3"], {"rope_type": "ntk"}),
+        ("lssar", "rope", ["--rope-scaling=dynamic-ntk"], {"rope_type": "dynamic"}),
+    ],
+)
+def test_export_carries_the_positions_and_computes_the_same_logits(
+    tmp_path, attn, pos, flags, written
+):
+    """ALiBi, NoPE and every RoPE scaling written into config.json (transformers' form for the
+    scalings); the model loaded by transformers gives the lssar GPT's logits, also beyond the
+    training length (32 tokens) and through HF's cache in generate."""
+    from lssar.cli import main
+    from lssar.train import load_run
+
+    run = make_tiny_run(tmp_path, attn, pos, name=f"{attn}-{pos}")
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(run), str(out), *flags]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pos"] == pos
+    if "rope_type" in written:
+        rp = cfg["rope_parameters"]
+        assert rp["rope_type"] == written["rope_type"] and rp["rope_theta"] == 10000.0
+        assert cfg["max_position_embeddings"] == 32
+        assert rp.get("original_max_position_embeddings") == (32 if "yarn" in flags[0] else None)
+    else:
+        assert cfg.get("rope_parameters") is None
+    gpt, tcfg, _ = load_run(run)
+    kw = {k.removeprefix("--").replace("-", "_"): v for k, v in (f.split("=") for f in flags)}
+    gpt.switch(**kw, train_len=tcfg.seq_len)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.gpt.rope_scaling == gpt.rope_scaling
+    x = torch.randint(0, 256, (2, 80))
+    torch.testing.assert_close(model(x).logits, gpt(x)[0], atol=1e-5, rtol=0)
+    gen = model.generate(x[:, :20], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen, gpt.generate(x[:, :20], 6, temperature=0))
+
+
+def test_export_refuses_a_length_dependent_factor_and_rope_scaling_without_rope(tmp_path, capsys):
+    from lssar.cli import main
+
+    run = make_tiny_run(tmp_path, "softmax")
+    assert main(["export-hf", str(run), str(tmp_path / "a"), "--rope-scaling=yarn"]) == 2
+    assert "auto depends on the evaluated length" in capsys.readouterr().err
+    alibi = make_tiny_run(tmp_path, "softmax", "alibi", name="alibi")
+    argv = ["export-hf", str(alibi), str(tmp_path / "b"), "--rope-scaling=yarn", "--rope-factor=2"]
+    assert main(argv) == 2
+    assert "rescales RoPE; this model was trained with pos='alibi'" in capsys.readouterr().err

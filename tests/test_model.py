@@ -150,3 +150,117 @@ def test_attn_mask_reaches_every_layer(attn):
     torch.testing.assert_close(windowed[:, -1], tail[:, -1])
     assert not torch.allclose(windowed[:, -1], short[:, -1])  # one token less is seen
     assert not torch.allclose(windowed[:, -1], full[:, -1])
+
+
+# ----------------------------------------------------------------------- positions (issue #24)
+
+
+@pytest.mark.parametrize(
+    "pos,attn",
+    [
+        ("alibi", "softmax"),
+        ("alibi", "softmax-qknorm-logn"),
+        ("alibi", "ssmax"),
+        ("nope", "softmax"),
+        ("nope", "lssar"),
+    ],
+)
+@pytest.mark.parametrize("n_kv_head", [None, 2])
+def test_alibi_and_nope_decode_incrementally_like_the_full_forward(pos, attn, n_kv_head):
+    model = _model(attn, pos=pos, n_kv_head=n_kv_head)
+    idx = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(2)
+        parts = [model(idx[:, :6], cache=cache)[0]]
+        for t in range(6, 21):
+            parts.append(model(idx[:, t : t + 1], cache=cache)[0])
+        rope = _model(attn, n_kv_head=n_kv_head)(idx)[0]  # same weights, RoPE
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-10, rtol=0)
+    assert not torch.allclose(full, rope)
+
+
+def _zero_qk(model: GPT) -> None:
+    """Zero the q and k rows of every fused projection: scores are 0, only the bias is left."""
+    for block in model.blocks:
+        block.attn.qkv.weight.data[: 2 * model.cfg.n_embd] = 0
+
+
+def test_alibi_weights_are_the_softmax_of_the_bias_and_nope_is_uniform():
+    from lssar.positions import alibi_slopes
+
+    idx = torch.randint(0, 64, (1, 9))
+    alibi, nope = _model("softmax", pos="alibi"), _model("softmax", pos="nope")
+    for m in (alibi, nope):
+        _zero_qk(m)
+    w_alibi, w_nope = [], []
+    with torch.no_grad():
+        alibi(idx, weights=w_alibi)
+        nope(idx, weights=w_nope)
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    bias = -alibi_slopes(4).double()[:, None, None] * (i - j).abs()
+    want = bias.masked_fill(j > i, float("-inf")).softmax(-1)  # (H, T, T)
+    torch.testing.assert_close(w_alibi[1][0], want, atol=1e-12, rtol=0)
+    uniform = torch.ones(9, 9, dtype=torch.float64).tril()
+    torch.testing.assert_close(w_nope[0][0, 0], uniform / uniform.sum(-1, keepdim=True))
+
+
+def test_nope_and_alibi_read_no_position_ids():
+    for pos in ("alibi", "nope"):
+        model = _model("softmax", pos=pos)
+        h = model.wte(torch.randint(0, 64, (1, 7)))
+        with torch.no_grad():
+            a = model.body(h)
+            b = model.body(h, positions=torch.arange(100, 107))
+        assert torch.equal(a, b), pos
+
+
+def test_rope_scaling_is_switched_after_training():
+    from lssar.positions import RopeScaling
+
+    model = _model("lssar")
+    idx = torch.randint(0, 64, (1, 40))
+    with torch.no_grad():
+        base, _ = model(idx)
+        model.set_rope_scaling(RopeScaling("yarn"), train_len=64)  # auto, 40 <= 64 tokens: 1x
+        same, _ = model(idx)
+        model.switch(rope_scaling="yarn", rope_factor=4, train_len=64)
+        scaled, _ = model(idx)
+        assert model.rope_scaling == RopeScaling("yarn", 4.0) and model.rope_train_len == 64
+        model.set_rope_scaling(None)
+        again, _ = model(idx)
+    assert torch.equal(base, same) and torch.equal(base, again)
+    assert not torch.allclose(base, scaled)  # LSSAR + YaRN: the rotation changes (the
+    # temperature does not: LSSAR normalises q and k)
+
+
+@pytest.mark.parametrize("pos", ["alibi", "nope"])
+def test_rope_scaling_on_a_model_without_rope_is_an_error(pos):
+    model = _model("softmax", pos=pos)
+    with pytest.raises(ValueError, match=f"rescales RoPE; this model was trained with pos='{pos}'"):
+        model.switch(rope_scaling="yarn", rope_factor=2.0, train_len=16)
+    with pytest.raises(ValueError, match="unknown --rope-scaling 'pi'"):
+        _model("softmax").switch(rope_scaling="pi", train_len=16)
+    with pytest.raises(ValueError, match="needs the training length"):
+        _model("softmax").switch(rope_scaling="ntk", rope_factor=2.0)
+
+
+def test_an_alibi_model_cannot_switch_to_a_variant_it_cannot_bias():
+    model = _model("softmax", pos="alibi")
+    model.set_attention("softmax-qknorm-logn")  # the softmax family: fine
+    with pytest.raises(ValueError, match=r"pos='alibi' biases the scores of the softmax family"):
+        model.set_attention("lssar")
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(pos="xpos"), r"unknown pos 'xpos'; choose one of: rope, alibi, nope"),
+        (dict(pos="alibi", attn="lssar"), r"attn='lssar' cannot take it: use one of those"),
+        (dict(pos="alibi", attn="sigmoid"), "pos='alibi' biases the scores"),
+    ],
+)
+def test_bad_position_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**{"n_embd": 32, "n_head": 4, **kw})
+    GPTConfig(n_embd=36, n_head=4, pos="nope")  # an odd head dim is fine without RoPE

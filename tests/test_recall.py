@@ -119,10 +119,16 @@ def test_bad_study_input():
 
 
 def test_presets_wired():
-    assert set(preset_config("cpu").arms) == set(ARMS) and len(preset_config("cpu").seeds) >= 3
+    from lssar.studies.recall.presets import ALTERNATIVE_ARMS, PAPER_ARMS
+
+    assert set(PAPER_ARMS) | set(ALTERNATIVE_ARMS) == set(ARMS)
+    assert preset_config("cpu").arms == PAPER_ARMS and len(preset_config("cpu").seeds) >= 3
+    base = preset_config("cpu-baselines")
+    assert set(base.arms) == {"softmax", "lssar p=15", *ALTERNATIVE_ARMS}
+    assert base.seeds == preset_config("cpu").seeds and base.task == preset_config("cpu").task
     q = preset_config("quick")
     assert {"softmax", "lssa", "window"} <= set(q.arms) and len(q.seeds) == 1
-    for name in ("quick", "cpu"):  # >= 200 scored queries per (length, distance bucket) cell
+    for name in ("quick", "cpu", "cpu-baselines"):  # >= 200 scored queries per cell
         c = preset_config(name)
         assert c.eval_seqs * (c.task.n_queries // 2) >= 200
     assert preset_config("cpu").task == q.task  # quick is a subset of cpu, same runs
@@ -133,8 +139,8 @@ def test_end_to_end_rows_and_report(tmp_path):
     out = run_study(cfg, tmp_path / "rep", tmp_path / "runs", progress=False, name="test")
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
-    keys = {"arm", "train_attn", "eval_attn", "eval_p", "seed", "length_multiple", "distance",
-            "accuracy", "queries"}  # fmt: skip
+    keys = {"arm", "train_attn", "train_pos", "eval_attn", "eval_p", "eval_rope", "seed",
+            "length_multiple", "distance", "accuracy", "queries"}  # fmt: skip
     assert rows and all(set(r) == keys for r in rows)
     arms = {r["arm"] for r in rows}
     assert arms == {"softmax", "lssa", "lssa -> lssar p=15 (eval)"}
@@ -342,3 +348,42 @@ def test_recall_eval_cache_is_keyed_by_model_and_sequences(tmp_path):
     assert (
         stored["key"]["model_sha256"] == hashlib.sha256((rd / "model.pt").read_bytes()).hexdigest()
     )
+
+
+def test_end_to_end_with_the_practitioners_alternatives(tmp_path):
+    """ALiBi and LSSAR without positions trained, YaRN and NTK at the length multiple on the
+    softmax model: their rows (labelled, keyed) and question 5 of the report; the RoPE scalings
+    share softmax's model (one unit) and are the softmax model itself at 1x."""
+    arms = ("softmax", "lssar p=15", "softmax + alibi", "lssar p=15 + nope",
+            "softmax -> yarn auto", "softmax -> ntk auto")  # fmt: skip
+    cfg = tiny(arms=arms, eval_ps=None)
+    assert [a for _, a in units(cfg)] == [
+        ("softmax", "softmax -> yarn auto", "softmax -> ntk auto"),
+        ("lssar p=15",),
+        ("softmax + alibi",),
+        ("lssar p=15 + nope",),
+    ]
+    assert run_dir(Path("r"), cfg, ARMS["softmax + alibi"], 0).name.startswith("softmax-alibi-s0-")
+    out = run_study(cfg, tmp_path / "rep", tmp_path / "runs", progress=False, name="test")
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    by = {(r["arm"], r["length_multiple"], r["distance"]): r for r in rows}
+    assert {r["arm"] for r in rows} == {
+        "softmax", "lssar p=15", "softmax + alibi", "lssar p=15 + nope",
+        "softmax -> yarn auto (eval)", "softmax -> ntk auto (eval)",
+    }  # fmt: skip
+    yarn = by[("softmax -> yarn auto (eval)", 2, "all")]
+    assert (yarn["train_pos"], yarn["eval_attn"], yarn["eval_rope"]) == (
+        "rope",
+        "softmax",
+        "yarn auto",
+    )
+    assert by[("softmax + alibi", 1, "all")]["train_pos"] == "alibi"
+    assert (
+        by[("softmax -> yarn auto (eval)", 1, "all")]["accuracy"]
+        == by[("softmax", 1, "all")]["accuracy"]
+    )
+    rep = (out / "REPORT.md").read_text()
+    assert "### 5. LSSAR against the practitioner's alternatives" in rep
+    assert "| lssar p=15 vs softmax + alibi | beyond |" in rep
+    assert "| lssar p=15 vs softmax -> yarn auto (eval) | beyond |" in rep
+    assert "Highest mean accuracy at 2x (beyond) among lssar p=15, softmax" in rep

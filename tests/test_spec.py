@@ -12,9 +12,11 @@ from lssar import data
 from lssar.cli import main as cli_main
 from lssar.integrations.lm_eval import LssarLM
 from lssar.model import GPT, GPTConfig
+from lssar.positions import RopeScaling
 from lssar.spec import AttentionSpec, run_label
 from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import report as reproduce_report
+from lssar.studies.lm.presets import SOFTMAX
 from lssar.train import sample_cli
 from lssar.train.config import TrainConfig, model_config
 from lssar.train.runs import load_run, save_checkpoint
@@ -35,11 +37,44 @@ def test_labels_are_the_strings_reports_look_up():
     assert run_label(lssa, lssar15) == "lssa -> lssar p=15 (eval only)"
     assert run_label("lssa", "lssar p=15") == run_label(lssa, lssar15)
     assert run_label(lssa, lssa) == run_label("lssa") == "lssa"
+    # a RoPE scaling at evaluation, alone and with a switched rule (issue #24)
+    assert run_label("softmax", "softmax", "yarn auto") == "softmax -> yarn auto (eval only)"
+    assert run_label(lssa, lssar15, "yarn x4") == "lssa -> lssar p=15 + yarn x4 (eval only)"
     # the claims of reproduce's report are found by these labels
     assert {"softmax", "lssa", "lssar p=3", "lssar p=15"} <= set(reproduce_report.PAPER)
     quick = presets.PRESETS["quick"].arms
     assert quick == ["softmax", "window", "lssa", "lssar p=15"]
     assert [presets.ARMS[a].attention.label for a in quick] == ["softmax", "softmax", *quick[2:]]
+
+
+def test_eval_rules_carry_an_attention_switch_and_or_a_rope_scaling():
+    from lssar.studies.common import Arm, EvalRule
+
+    p15, yarn = AttentionSpec("lssar", {"p": 15.0}), RopeScaling("yarn")
+    assert EvalRule(p15).label == "lssar p=15" and EvalRule(p15).slug() == "lssar-p15"
+    assert EvalRule(rope=yarn).label == "yarn auto" and EvalRule(rope=yarn).slug() == "yarn-auto"
+    assert EvalRule(p15, yarn).label == "lssar p=15 + yarn auto"
+    with pytest.raises(ValueError, match="needs an attention switch, a RoPE scaling, or both"):
+        EvalRule()
+    # an AttentionSpec in evals is the rule that switches to it: the existing arms are unchanged
+    lssa = presets.ARMS["lssa"]
+    assert lssa.evals == tuple(EvalRule(s) for s in presets.EVAL_REWEIGHT)
+    assert [e.label for e in lssa.evals] == [f"lssar p={p:g}" for p in (1, 3, 8, 15)]
+    assert presets.PRESETS["cpu"].arms == presets.PAPER_ARMS == [
+        "softmax", "window", "sigmoid", "relu", "softplus-l1", "lssa", "lssar p=3",
+        "lssar p=15", "softmax-qknorm-logn", "ssmax",
+    ]  # fmt: skip
+    alibi = presets.ARMS["softmax + alibi"]
+    assert (alibi.trained_label, alibi.pos, alibi.attention) == (
+        "softmax + alibi",
+        "alibi",
+        SOFTMAX,
+    )
+    assert presets.ALTERNATIVES[-1] == "softmax -> yarn auto (eval only)"
+    with pytest.raises(ValueError, match="pos='alibi' biases the scores"):
+        Arm("x", AttentionSpec("lssa"), pos="alibi")
+    with pytest.raises(ValueError, match="no rule of its own and no eval-only rules"):
+        Arm("x", SOFTMAX, own_rule=False)
 
 
 def test_spec_is_a_validated_frozen_value():
@@ -176,26 +211,55 @@ def test_old_run_dir_loads(old_runs):
     assert cfg.seq_len == 16 and meta["step"] == 1
 
 
+YARN4 = RopeScaling("yarn", 4.0)
+
+
 @pytest.mark.parametrize(
-    "run, switch, want",
+    "run, switch, want, rope",
     [
-        ("lssa", dict(attn_p=15.0), AttentionSpec("lssa", {"p": 15.0}, "chunked")),
-        ("lssa", dict(attn="lssar", attn_p=3.0), AttentionSpec("lssar", {"p": 3.0}, "chunked")),
-        ("softmax", dict(attn="lssar"), AttentionSpec("lssar", {}, "auto")),
+        ("lssa", dict(attn_p=15.0), AttentionSpec("lssa", {"p": 15.0}, "chunked"), None),
+        (
+            "lssa",
+            dict(attn="lssar", attn_p=3.0),
+            AttentionSpec("lssar", {"p": 3.0}, "chunked"),
+            None,
+        ),
+        ("softmax", dict(attn="lssar"), AttentionSpec("lssar", {}, "auto"), None),
+        (
+            "softmax",
+            dict(rope_scaling="yarn", rope_factor=4.0),
+            AttentionSpec("softmax", {}, "sdpa"),
+            YARN4,
+        ),
+        (
+            "lssa",
+            dict(attn="lssar", rope_scaling="ntk"),
+            AttentionSpec("lssar", {}, "chunked"),
+            RopeScaling("ntk"),
+        ),
     ],
 )
 def test_eval_sample_and_lm_eval_switch_by_the_same_rule(
-    old_runs, monkeypatch, capsys, run, switch, want
+    old_runs, monkeypatch, capsys, run, switch, want, rope
 ):
-    """``lssar eval``, ``lssar sample`` and ``lssar lm-eval`` end on the same spec."""
+    """``lssar eval``, ``lssar sample`` and ``lssar lm-eval`` end on the same spec and RoPE
+    scaling (from the run's training length)."""
     seen = []
     original = GPT.set_attention
 
     def spy(self, *args, **kw):
         original(self, *args, **kw)
-        seen.append(self.attn_spec)
+        seen.append((self.attn_spec, self.rope_scaling, self.rope_train_len))
 
     monkeypatch.setattr(GPT, "set_attention", spy)
+    original_rope = GPT.set_rope_scaling
+
+    def spy_rope(self, *args, **kw):
+        original_rope(self, *args, **kw)
+        seen[-1] = (self.attn_spec, self.rope_scaling, self.rope_train_len)
+
+    monkeypatch.setattr(GPT, "set_rope_scaling", spy_rope)
+    want = (want, rope, None if rope is None else 16)
     r = evaluate.evaluate_run(
         old_runs[run],
         [1],
@@ -205,14 +269,16 @@ def test_eval_sample_and_lm_eval_switch_by_the_same_rule(
         progress=False,
         **switch,
     )
-    assert seen[-1] == want and r["evaluated_attention"] == want.label
-    assert r["trained_attention"] == run and (old_runs[run] / "eval" / want.slug("_")).is_dir()
+    tag = want[0].slug("_") + ("" if rope is None else "_" + rope.slug())
+    assert seen[-1] == want and r["evaluated_attention"] == want[0].label
+    assert r["rope_scaling"] == (None if rope is None else rope.label)
+    assert r["trained_attention"] == run and (old_runs[run] / "eval" / tag).is_dir()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in switch.items()]
     assert sample_cli([str(old_runs[run]), "--max-new-tokens=2", *flags]) == 0
     assert seen[-1] == want
     capsys.readouterr()
     argv = ["eval", str(old_runs[run]), "--lengths=1", "--tokens=32", "--no-diagnostics", *flags]
     assert cli_main(argv) == 0
-    assert seen[-1] == want and f"eval/{want.slug('_')}" in capsys.readouterr().out
+    assert seen[-1] == want and f"eval/{tag}" in capsys.readouterr().out
     LssarLM(run=str(old_runs[run]), **switch)
     assert seen[-1] == want

@@ -15,7 +15,7 @@ import torch
 from lssar import data
 from lssar.cli import main
 from lssar.train import lr_at, sample, sample_cli, train
-from lssar.train.config import TrainConfig, default_run_name, load_config
+from lssar.train.config import TrainConfig, default_run_name, load_config, model_config
 from lssar.train.runs import load_run
 
 TINY = dict(
@@ -88,6 +88,21 @@ def test_config_precedence_and_types(tmp_path: Path) -> None:
         "tiny-cpu-lssar-p3-s0"
     )
     assert default_run_name(TrainConfig(attn="lssa", seed=2)) == "custom-lssa-s2"
+    alibi = load_config("tiny-cpu", ["--pos=alibi"])
+    assert alibi.pos == "alibi" and default_run_name(alibi) == "tiny-cpu-softmax-alibi-s0"
+    assert model_config(alibi, 256).pos == "alibi"
+
+
+def test_a_run_from_before_pos_resumes_as_rope(tmp_path: Path) -> None:
+    """A stored config without ``pos`` (runs before it existed) is the same config as one with
+    the default ``pos="rope"``, and differs from ``pos="alibi"``."""
+    from lssar.train.runs import check_same_config
+
+    cfg = TrainConfig()
+    old = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "pos"}
+    check_same_config(old, cfg, tmp_path)
+    with pytest.raises(ValueError, match="pos: 'rope' \\(run\\) != 'alibi' \\(now\\)"):
+        check_same_config(old, dataclasses.replace(cfg, pos="alibi"), tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -125,6 +140,8 @@ def test_config_precedence_and_types(tmp_path: Path) -> None:
         (None, ["--run_name=../elsewhere"], r"run_name='../elsewhere' must be a plain name"),
         (None, ["--run_name=/tmp/abs"], r"run_name='/tmp/abs' must be a plain name"),
         (None, ["--run_name=.."], r"run_name='..' must be a plain name"),
+        (None, ["--pos=xpos"], r"unknown pos 'xpos'; choose one of: rope, alibi, nope"),
+        (None, ["--pos=alibi", "--attn=lssar"], r"pos='alibi' biases the scores of the softmax"),
     ],
 )
 def test_config_errors(preset: str | None, overrides, match: str) -> None:

@@ -4,8 +4,13 @@
 ``PreTrainedModel``: safetensors ``save_pretrained`` / ``from_pretrained`` (tied head stored once),
 ``generate`` with HF's ``DynamicCache``, a padding-aware forward (2D ``attention_mask``, RoPE
 positions counted over real tokens). :func:`export_run` (``lssar export-hf RUN OUT``) writes a run
-in that format with an HF tokenizer that encodes exactly as the run's. Loading needs the Auto
-registration: ``import lssar.hf; lssar.hf.register()`` (or :func:`register_auto`).
+in that format with an HF tokenizer that encodes exactly as the run's. The positions travel in
+``config.json``: ``pos`` (``rope``, ``alibi`` or ``nope``) and, for a RoPE scaling chosen at
+export (``--rope-scaling yarn --rope-factor 16``), transformers' ``rope_parameters``
+(``rope_scaling`` in transformers < 5: ``rope_type``, ``factor``, ``rope_theta``, YaRN's
+``original_max_position_embeddings``) with ``max_position_embeddings`` = the training length.
+Loading needs the Auto registration: ``import lssar.hf; lssar.hf.register()`` (or
+:func:`register_auto`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lssar.model import GPT, GPTConfig
+from lssar.positions import RopeScaling, hf_rope_parameters
 
 MODEL_TYPE = "lssar-gpt"
 TOKENIZER_INFO = "lssar_tokenizer.json"
@@ -53,6 +59,7 @@ class LssarGPTConfig(PretrainedConfig):
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         rope_base: float = 10000.0,
+        pos: str = "rope",
         attn: str = "softmax",
         attn_options: dict[str, Any] | None = None,
         attn_impl: str = "auto",
@@ -60,6 +67,7 @@ class LssarGPTConfig(PretrainedConfig):
         train_seq_len: int | None = None,
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
+        rope_parameters: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         # HF names (hidden_size=...) arrive in kwargs; PretrainedConfig would set them after the
@@ -70,15 +78,29 @@ class LssarGPTConfig(PretrainedConfig):
         self.vocab_size, self.n_layer, self.n_head = vocab_size, n_layer, n_head
         self.n_kv_head = n_head if n_kv_head is None else n_kv_head  # 0 is an error, not "all"
         self.n_embd, self.mlp_ratio, self.dropout = n_embd, mlp_ratio, dropout
-        self.rope_base = rope_base
+        self.rope_base, self.pos = rope_base, pos
         self.attn, self.attn_options, self.attn_impl = attn, dict(attn_options or {}), attn_impl
         self.lssar_tokenizer, self.train_seq_len = lssar_tokenizer, train_seq_len
         self.use_cache = use_cache
-        # validate now (GPTConfig's checks: sizes, rope_base, attention): a bad config.json fails
-        # at load with a ValueError naming the field, before any size is divided or allocated
+        # validate now (GPTConfig's checks: sizes, rope_base, attention, pos): a bad config.json
+        # fails at load with a ValueError naming the field, before any size is divided or
+        # allocated
         self.gpt_config()
         self.head_dim = n_embd // n_head
+        if rope_parameters is not None and rope_parameters.get("rope_type") != "default":
+            if pos != "rope" or not train_seq_len:
+                raise ValueError("rope_parameters need pos='rope' and train_seq_len")
+            RopeScaling.from_hf(rope_parameters)  # a scaling lssar-gpt runs, else ValueError
+            # transformers' form: it standardises these (and reads max_position_embeddings as
+            # the training length for dynamic NTK)
+            self.rope_parameters = dict(rope_parameters)
+            self.rope_theta, self.max_position_embeddings = rope_base, train_seq_len
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def rope_scaling_rule(self) -> RopeScaling | None:
+        """The RoPE scaling this config runs (None: the trained rotation)."""
+        rp = getattr(self, "rope_parameters", None)
+        return None if not rp or rp.get("rope_type") == "default" else RopeScaling.from_hf(rp)
 
     def gpt_config(self) -> GPTConfig:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)}
@@ -121,6 +143,7 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: LssarGPTConfig) -> None:
         super().__init__(config)
         self.gpt = GPT(config.gpt_config())
+        self.gpt.set_rope_scaling(config.rope_scaling_rule(), config.train_seq_len)
         self.post_init()
 
     def _init_weights(self, module: torch.nn.Module) -> None:
@@ -142,9 +165,19 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def from_gpt(
         cls, model: GPT, tokenizer: str | None = None, train_seq_len: int | None = None, **kw: Any
     ) -> LssarGPTForCausalLM:
-        """Wrap a trained :class:`GPT` (weights copied, attention rule kept)."""
+        """Wrap a trained :class:`GPT` (weights copied, attention rule and RoPE scaling kept)."""
         register_auto()
         fields = {f.name: getattr(model.cfg, f.name) for f in dataclasses.fields(GPTConfig)}
+        if model.rope_scaling is not None:
+            if train_seq_len not in (None, model.rope_train_len):
+                raise ValueError(
+                    f"train_seq_len={train_seq_len} but the model's RoPE scaling is from "
+                    f"{model.rope_train_len} tokens"
+                )
+            train_seq_len = model.rope_train_len
+            kw["rope_parameters"] = hf_rope_parameters(
+                model.rope_scaling, train_seq_len, model.cfg.rope_base
+            )
         config = LssarGPTConfig(
             **fields | model.attn_spec.to_config(),  # the rule in use, maybe not cfg's
             lssar_tokenizer=tokenizer,
@@ -286,8 +319,16 @@ def hf_tokenizer(name: str, data_dir: str | Path | None = None) -> Any:
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=eot, bos_token=eot)
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -> Path:
-    """Write run ``run_dir`` as a transformers model directory ``out_dir``.
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    which: str = "final",
+    rope_scaling: str | None = None,
+    rope_factor: Any = None,
+) -> Path:
+    """Write run ``run_dir`` as a transformers model directory ``out_dir``; ``rope_scaling`` /
+    ``rope_factor`` (a number) export a RoPE run with its rotation rescaled
+    (:meth:`lssar.model.GPT.switch`, from the training length).
 
     Files: ``config.json``, ``model.safetensors``, ``generation_config.json``, the HF tokenizer
     (``tokenizer.json``, ...; encodes as the run's tokenizer) and ``lssar_tokenizer.json``
@@ -303,6 +344,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "final") -
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
     model, cfg, meta = load_run(run_dir, map_location="cpu", which=which)
+    model.switch(rope_scaling=rope_scaling, rope_factor=rope_factor, train_len=cfg.seq_len)
+    if model.rope_scaling is not None:
+        model.rope_scaling.to_hf()  # a factor that depends on the length cannot be exported
     tok = data.get_tokenizer(cfg.tokenizer, corpus_dir=meta["data_dir"])
     hf = LssarGPTForCausalLM.from_gpt(model, tokenizer=cfg.tokenizer, train_seq_len=cfg.seq_len)
     if tok.eot is not None:
@@ -337,6 +381,10 @@ def export_cli(argv: list[str]) -> int:
     ap.add_argument("run", help="run directory")
     ap.add_argument("out", help="output directory (new or empty)")
     ap.add_argument("--which", default="final", choices=("final", "latest"))
+    ap.add_argument(
+        "--rope-scaling", help="export with RoPE rescaled: linear, ntk, dynamic-ntk, yarn"
+    )
+    ap.add_argument("--rope-factor", help="its factor (a number; dynamic-ntk: default 1)")
     a = ap.parse_args(argv)
-    print(export_run(a.run, a.out, a.which))
+    print(export_run(a.run, a.out, a.which, a.rope_scaling, a.rope_factor))
     return 0

@@ -43,7 +43,9 @@ class LssarLM(LM):
 
     Either ``run`` (a run directory: model, tokenizer and ``max_length`` = its training length)
     or ``model`` + ``tokenizer`` + ``max_length``. ``attn`` / ``attn_p`` switch the attention
-    rule (e.g. ``attn_p=15`` on an LSSA run: the paper's fine-tuning-free re-weighting).
+    rule (e.g. ``attn_p=15`` on an LSSA run: the paper's fine-tuning-free re-weighting),
+    ``rope_scaling`` / ``rope_factor`` rescale RoPE from the training length ``train_len`` (a
+    run's own; else ``max_length``), by the one rule of :meth:`GPT.switch`.
     Requests longer than ``max_length`` tokens keep their last ``max_length`` tokens. Batches are
     right-padded, which is exact for a causal model: real tokens never see the padding.
     """
@@ -59,6 +61,9 @@ class LssarLM(LM):
         batch_size: int = 8,
         device: str = "cpu",
         which: str = "final",
+        rope_scaling: str | None = None,
+        rope_factor: Any = None,
+        train_len: int | None = None,
     ) -> None:
         super().__init__()
         if (run is None) == (model is None):
@@ -69,12 +74,13 @@ class LssarLM(LM):
             model, cfg, meta = load_run(run, map_location=device, which=which)
             tokenizer = data.get_tokenizer(cfg.tokenizer, corpus_dir=meta["data_dir"])
             max_length = max_length or cfg.seq_len
+            train_len = train_len or cfg.seq_len
         if tokenizer is None or not max_length or int(max_length) < 2:
             raise ValueError("a model needs a tokenizer and max_length >= 2")
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         p = None if attn_p is None else float(attn_p)
-        model.set_attention(model.attn_spec.override(attn, p=p))
+        model.switch(attn, p, rope_scaling, rope_factor, train_len or int(max_length))
         self.model = model.to(device).eval()
         self.tok, self.max_length, self.batch_size = tokenizer, int(max_length), int(batch_size)
         self._device = torch.device(device)
@@ -90,6 +96,7 @@ class LssarLM(LM):
         return {
             "lssar_attn": spec.name,
             "lssar_attn_options": dict(spec.options),
+            "lssar_rope_scaling": getattr(self.model.rope_scaling, "label", None),
             "max_length": self.max_length,
         }
 
@@ -384,6 +391,8 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--tasks", required=True, help="comma-separated task names")
     ap.add_argument("--attn", help="evaluate with another attention variant")
     ap.add_argument("--attn-p", type=float, help="re-weighting power p (e.g. 15)")
+    ap.add_argument("--rope-scaling", help="rescale RoPE: linear, ntk, dynamic-ntk, yarn")
+    ap.add_argument("--rope-factor", help="its factor: a number, or auto (the default)")
     ap.add_argument("--limit", type=int, help="documents per task (quick checks)")
     ap.add_argument("--num-fewshot", type=int)
     ap.add_argument("--out", help="output directory (default RUN/lm_eval)")
@@ -412,6 +421,9 @@ def cli(argv: list[str]) -> int:
         attn_p=a.attn_p,
         batch_size=a.batch_size,
         device=a.device,
+        rope_scaling=a.rope_scaling,
+        rope_factor=a.rope_factor,
+        train_len=cfg.seq_len,
     )
     out = Path(a.out) if a.out else Path(a.run) / "lm_eval"
     # The local tasks are written afresh into a new private directory for this call alone: an
@@ -425,7 +437,11 @@ def cli(argv: list[str]) -> int:
             write_local_tasks(fresh, val, tok, a.n_docs, passkey_length=length)
             tasks_dir = fresh
         results = evaluate(lm, tasks, tasks_dir, a.limit, a.num_fewshot, a.bootstrap_iters)
-    path = out / f"results-{lm.model.attn_spec.slug()}.json"
+    rope = lm.model.rope_scaling
+    path = (
+        out
+        / f"results-{lm.model.attn_spec.slug()}{'' if rope is None else '-' + rope.slug('-')}.json"
+    )
     atomic_write(path, json.dumps(results, indent=2, default=str) + "\n")
     from lm_eval.utils import make_table
 

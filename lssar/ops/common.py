@@ -310,3 +310,38 @@ def uniform_tolerance(dtype: torch.dtype) -> float:
     ``64 * eps`` of the mean fall back to the LSSA weights (METHOD.md section 4, 0/0 case).
     """
     return 64.0 * torch.finfo(dtype).eps
+
+
+def check_alibi(alibi_slopes: Tensor | None, query: Tensor) -> None:
+    """``alibi_slopes`` (ALiBi, Press et al. 2022) is None or a finite float tensor of shape
+    ``(H_q,)`` or ``(B, H_q)`` on the query's device: one slope per query head (and batch row),
+    as FlashAttention's ``alibi_slopes``. ``ValueError`` naming it otherwise."""
+    if alibi_slopes is None:
+        return
+    b, h = query.shape[0], query.shape[1]
+    if not isinstance(alibi_slopes, Tensor) or not alibi_slopes.is_floating_point():
+        got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes)
+        raise ValueError(f"alibi_slopes must be a float tensor of shape (H,) or (B, H), got {got}")
+    if tuple(alibi_slopes.shape) not in ((h,), (b, h)):
+        raise ValueError(
+            f"alibi_slopes must have shape (H,) = ({h},) or (B, H) = ({b}, {h}), got "
+            f"{tuple(alibi_slopes.shape)}"
+        )
+    if alibi_slopes.device != query.device:
+        raise ValueError("alibi_slopes must be on the same device as query")
+    if not bool(torch.isfinite(alibi_slopes).all()):
+        raise ValueError("alibi_slopes must be finite")
+
+
+def alibi_bias(slopes: Tensor, q_pos: Tensor, t_k: int, dtype: torch.dtype) -> Tensor:
+    """ALiBi's score bias ``-slope_h * |q_pos_i - j|`` over keys ``j = 0 .. t_k - 1``:
+    ``(B|1, H, T_q, t_k)`` in ``dtype``.
+
+    ``q_pos (T_q,)`` are the query rows' absolute positions: ``T_k - T_q + i`` for a whole block
+    (bottom-right, the causal convention, as FlashAttention's ALiBi), so a KV-cache step gets the
+    same bias as the full sequence. Distances are exact integers in float32 below 2**24.
+    """
+    s = slopes.to(dtype)
+    s = s.reshape(1, -1, 1, 1) if s.dim() == 1 else s[:, :, None, None]
+    j = torch.arange(t_k, device=q_pos.device, dtype=dtype)
+    return -s * (q_pos.to(dtype)[:, None] - j[None, :]).abs()  # (B|1, H, T_q, T_k)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lssar.ops.common import (
+    alibi_bias,
     centred_rows,
     combined_mask,
     compute_dtype,
@@ -114,8 +115,12 @@ def attention_weights(
     *,
     variant: Variant,
     options: dict[str, Any],
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
-    """Final attention weights ``(B, H, T_q, T_k)`` in the compute dtype (float32/float64)."""
+    """Final attention weights ``(B, H, T_q, T_k)`` in the compute dtype (float32/float64).
+
+    ``alibi_slopes`` (``(H,)`` or ``(B, H)``) adds ALiBi's bias ``-slope |pos_i - j|`` to the
+    scores after their scale (bottom-right aligned positions, :func:`alibi_bias`)."""
     dtype = compute_dtype(query.dtype)
     t_q, t_k = query.shape[-2], key.shape[-2]
     if enable_gqa:
@@ -124,6 +129,8 @@ def attention_weights(
     mask = combined_mask(attn_mask, is_causal, t_q, t_k, q.device)
     n = visible_counts(attn_mask, is_causal, t_q, t_k, q.device).to(dtype)
     s = scores(q, k, n, variant, scale, options)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, torch.arange(t_q, device=q.device) + t_k - t_q, t_k, dtype)
     w = normalise(s, mask, n, variant, options)
     p = options.get("p")
     return w if p is None else reweight(w, n, p)
@@ -141,10 +148,19 @@ def reference_attention(
     *,
     variant: Variant,
     options: dict[str, Any],
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Materialised attention ``(B, H_q, T_q, D_v)``; dropout (if any) acts on the final weights."""
     w = attention_weights(
-        query, key, attn_mask, is_causal, scale, enable_gqa, variant=variant, options=options
+        query,
+        key,
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        variant=variant,
+        options=options,
+        alibi_slopes=alibi_slopes,
     )
     if dropout_p > 0:
         w = F.dropout(w, dropout_p, training=True)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lssar.ops.common import as_4d, autocast_dtype, check_inputs, hide_unseen
+from lssar.ops.common import as_4d, autocast_dtype, check_alibi, check_inputs, hide_unseen
 from lssar.ops.variants import VARIANTS, Variant
 
 # Below this many score entries per (batch, head) the materialised reference is as fast (measured
@@ -38,7 +38,8 @@ class Impl:
     ``dropout``: it applies ``dropout_p`` itself (else ``dropout_p > 0`` is an error naming it).
     ``float64``: the impl that runs float64 inputs in its place (same math), or None.
     ``torch_func``: it composes with ``torch.func`` transforms (hand-written backward passes
-    do not).
+    do not). ``alibi``: it takes ``alibi_slopes`` (ALiBi's score bias) for the variants it runs
+    whose scores can be biased (:data:`ALIBI_VARIANTS`).
     """
 
     name: str
@@ -51,6 +52,7 @@ class Impl:
     dropout: bool = False
     float64: str | None = None
     torch_func: bool = True
+    alibi: bool = False
 
     @property
     def fn(self) -> Callable[..., Tensor]:
@@ -172,6 +174,7 @@ for _entry in (
         _every_variant,
         "materialised T_q x T_k, every variant",
         dropout=True,
+        alibi=True,
     ),
     Impl(
         "chunked",
@@ -195,8 +198,10 @@ for _entry in (
         "sdpa",
         _sdpa,
         _softmax_family,
-        "torch SDPA kernels for softmax, ssmax, softmax-qknorm-logn (no p)",
+        "torch SDPA kernels for softmax, ssmax, softmax-qknorm-logn (no p); ALiBi by query "
+        "blocks with a float bias per block",
         dropout=True,
+        alibi=True,
     ),
     Impl(
         "triton",
@@ -221,6 +226,15 @@ for _entry in (
     ),
 ):
     register_impl(_entry)
+
+
+def _biasable(v: Variant) -> bool:
+    """ALiBi adds to the logits of a softmax: the variants whose ``phi`` is exp."""
+    return v.phi == "exp"
+
+
+# the variants whose scores ALiBi can bias (the softmax family), for error messages
+ALIBI_VARIANTS = tuple(name for name, v in VARIANTS.items() if _biasable(v))
 
 
 def get_variant(name: str) -> Variant:
@@ -274,8 +288,16 @@ def _functorch_active() -> bool:
 
 
 def _auto(
-    query: Tensor, key: Tensor, dropout_p: float, variant: Variant, opts: dict[str, Any]
+    query: Tensor,
+    key: Tensor,
+    dropout_p: float,
+    variant: Variant,
+    opts: dict[str, Any],
+    alibi: bool = False,
 ) -> str:
+    if alibi:  # SDPA by query blocks (O(T * block)); the reference for p and torch.func
+        fam = _softmax_family(variant, opts) and not _functorch_active()
+        return "sdpa" if fam else "reference"
     if dropout_p > 0 or (_functorch_active() and not _softmax_family(variant, opts)):
         return "reference"
     if query.is_cuda and "triton" in IMPLS and IMPLS["triton"].supports(variant, opts):
@@ -304,8 +326,10 @@ def resolve(
     dropout_p: float,
     options: dict[str, Any],
     impl_options: Mapping[str, Any] | None = None,
+    alibi: bool = False,
 ) -> Resolved:
-    """Validate names and options and route the call (``auto``, dropout, the float64 fallback).
+    """Validate names and options and route the call (``auto``, dropout, the float64 fallback;
+    ``alibi``: the call has ``alibi_slopes``).
 
     Returns ``(variant, impl name, resolved options, impl options)``; the impl named there is
     the one that runs (``impl="triton"`` with float64 inputs resolves to ``"chunked"``, whose
@@ -318,8 +342,13 @@ def resolve(
             "impl_options belong to one implementation: pass impl= explicitly with them "
             "(impl='auto' picks per call)"
         )
+    if alibi and not _biasable(v):
+        raise ValueError(
+            f"alibi_slopes biases the scores of the softmax family ({', '.join(ALIBI_VARIANTS)}); "
+            f"variant {v.name!r} cannot take it"
+        )
     if impl == "auto":
-        impl = _auto(query, key, dropout_p, v, opts)
+        impl = _auto(query, key, dropout_p, v, opts, alibi)
     entry = BACKENDS.get(impl) if isinstance(impl, str) else None
     if entry is None or not entry.available:
         why = "" if entry is None else f" (needs {entry.needs})"
@@ -329,6 +358,11 @@ def resolve(
         raise ValueError(
             f"impl {impl!r} does not run variant {v.name!r} with options {opts}; "
             f"use one of: auto, {', '.join(ok)}"
+        )
+    if alibi and not entry.alibi:
+        ok = [n for n, e in IMPLS.items() if e.alibi and e.supports(v, opts)]
+        raise ValueError(
+            f"impl {impl!r} cannot apply alibi_slopes; use one of: auto, {', '.join(ok)}"
         )
     impl_opts = entry.check_options(impl_options)
     if dropout_p > 0 and not entry.dropout:
@@ -357,6 +391,7 @@ def attention(
     variant: str = "lssar",
     impl: str = "auto",
     impl_options: dict[str, Any] | None = None,
+    alibi_slopes: Tensor | None = None,
     **options: Any,
 ) -> Tensor:
     """Attention with the paper's variants behind SDPA's signature.
@@ -382,6 +417,11 @@ def attention(
             ``{"precise": False}`` for ``"triton"`` (half-precision weights rounded once, as
             FlashAttention does) or ``{"block": 256}`` for ``"chunked"`` (query rows per
             block). An unknown name is a ``ValueError`` listing the valid ones.
+        alibi_slopes: ALiBi (Press et al. 2022), as FlashAttention's: float ``(H_q,)`` or
+            ``(B, H_q)``, adding ``-slope * |T_k - T_q + i - j|`` to the scores of query ``i``
+            and key ``j`` after their scale (bottom-right aligned, as the causal mask). Only the
+            softmax family (:data:`ALIBI_VARIANTS`) takes it, on ``"reference"`` and
+            ``"sdpa"`` (by query blocks, memory O(T_k * block)); elsewhere a ``ValueError``.
         **options: the variant's own keyword options (e.g. ``p`` for re-weighting).
 
     Returns:
@@ -396,17 +436,18 @@ def attention(
     float32 statistics and GEMMs where it computes in float32); the output has autocast's dtype.
     """
     check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    check_alibi(alibi_slopes, query)
     device = query.device.type
     low = autocast_dtype(device)
     args = (attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, impl, impl_options)
     if low is None:
-        return _attention(query, key, value, *args, options)
+        return _attention(query, key, value, *args, options, alibi_slopes)
     # one place for every implementation: left on, autocast would re-round the float32 score and
     # value GEMMs inside the materialised and chunked paths to bf16 (LSSAR p=15 errors 10-25x)
     if query.dtype != torch.float64:
         query, key, value = (t.to(low) for t in (query, key, value))
     with torch.autocast(device, enabled=False):
-        return _attention(query, key, value, *args, options)
+        return _attention(query, key, value, *args, options, alibi_slopes)
 
 
 def _attention(
@@ -422,9 +463,13 @@ def _attention(
     impl: str,
     impl_options: dict[str, Any] | None,
     options: dict[str, Any],
+    alibi_slopes: Tensor | None,
 ) -> Tensor:
     """:func:`attention` after its checks, with autocast settled: route and run."""
-    v, impl, opts, impl_opts = resolve(variant, impl, query, key, dropout_p, options, impl_options)
+    alibi = alibi_slopes is not None
+    v, impl, opts, impl_opts = resolve(
+        variant, impl, query, key, dropout_p, options, impl_options, alibi
+    )
     attn_mask = as_4d(attn_mask)
     if attn_mask is not None and attn_mask.shape[-1] == 1 and key.shape[-2] > 1:
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], key.shape[-2])  # a view: no memory
@@ -455,4 +500,6 @@ def _attention(
         variant=v,
         options=opts,
         **impl_opts,
+        # passed only when given: backends without ALiBi keep their signature
+        **({"alibi_slopes": alibi_slopes} if alibi else {}),
     )

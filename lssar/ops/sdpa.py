@@ -3,6 +3,14 @@
 ``softmax(c_i q.k)`` with a per-row scale ``c_i`` equals SDPA on ``q_i * c_i`` with ``scale=1``, so
 softmax, Scalable-Softmax (``c_i = s_h ln N_i / sqrt(d)``) and softmax-qknorm-logn
 (``c_i = ln d ln N_i`` on normalised q, k) all run on SDPA's fused, memory-efficient kernels.
+
+With ``alibi_slopes`` the scores get ALiBi's bias ``-slope_h |pos_i - j|`` (after the scale). A
+bias is a float mask, which SDPA takes only materialised, so the queries run in blocks of rows
+with one float bias per block (``(B|1, H, block, T_k)``, never ``T_q x T_k``; a causal block
+reads only the keys it can see); a backward through several blocks recomputes each block's bias
+instead of keeping it (activation checkpointing), so training memory is bounded the same way.
+Half-precision inputs are computed in float32 there, as the reference does: a bias of
+``-slope * 2000`` in bf16 is off by units, which moves weights near the diagonal by percents.
 """
 
 from __future__ import annotations
@@ -12,8 +20,21 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
-from lssar.ops.common import combined_mask, compute_dtype, length_scale, unit, visible_counts
+from lssar.ops.common import (
+    alibi_bias,
+    causal_mask,
+    combined_mask,
+    compute_dtype,
+    length_scale,
+    unit,
+    visible_counts,
+)
+
+# Elements of one query block's float bias (B|1, H, rows, T_k): 2**23 fp32 values = 32 MiB, e.g.
+# 256 rows of 8 heads over 4K keys, 64 rows at 16K keys.
+ALIBI_BLOCK_ELEMENTS = 1 << 23
 
 
 def sdpa_attention(
@@ -28,15 +49,20 @@ def sdpa_attention(
     *,
     variant,
     options,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
-    """Softmax-family attention on SDPA; same contract as the reference. ``(B, H_q, T_q, D_v)``."""
+    """Softmax-family attention on SDPA; same contract as the reference. ``(B, H_q, T_q, D_v)``.
+
+    ``alibi_slopes`` (``(H,)`` or ``(B, H)``): ALiBi's bias on the scaled scores, by query
+    blocks (see the module docstring)."""
     t_q, t_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
     dtype = query.dtype
     if variant.qk_norm:  # normalised (and scaled below) in float32, then back to the input dtype
         query, key = unit(query), unit(key).to(dtype)
     # causal with T_q = T_k stays SDPA's is_causal (fused, O(T) memory), also with a row scale
     fused_causal = attn_mask is None and (not is_causal or t_q == t_k)
-    mask = None if fused_causal else combined_mask(attn_mask, is_causal, t_q, t_k, query.device)
+    skip = fused_causal or alibi_slopes is not None  # the ALiBi blocks build their own masks
+    mask = None if skip else combined_mask(attn_mask, is_causal, t_q, t_k, query.device)
     if variant.scaling != "sdpa":
         n = visible_counts(attn_mask, is_causal, t_q, t_k, query.device)
         n = n.to(compute_dtype(query.dtype))
@@ -50,6 +76,10 @@ def sdpa_attention(
         query = (query.to(c.dtype) * c).to(dtype)
         scale = 1.0
     query = query.to(dtype)
+    if alibi_slopes is not None:
+        return _alibi_blocks(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alibi_slopes
+        )
     if mask is None:
         return F.scaled_dot_product_attention(
             query,
@@ -67,3 +97,83 @@ def sdpa_attention(
         query, key, value, mask | empty, dropout_p, False, scale=scale, enable_gqa=enable_gqa
     )
     return out.masked_fill(empty, 0.0)
+
+
+def _alibi_block(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slopes: Tensor,
+    attn_mask: Tensor | None,
+    q_start: int,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """One block of query rows ``q (B, H, rows, D)`` at absolute positions ``q_start ..`` over
+    keys ``k, v (B, H_kv, k_end, D)``; ``attn_mask`` already sliced to the block."""
+    rows, k_end = q.shape[-2], k.shape[-2]
+    pos = torch.arange(rows, device=q.device) + q_start
+    bias = alibi_bias(slopes, pos, k_end, q.dtype)  # (B|1, H, rows, k_end)
+    visible = causal_mask(rows, k_end, q.device, q_start) if is_causal else None
+    if attn_mask is not None:
+        visible = attn_mask if visible is None else (attn_mask & visible)
+    empty = None
+    if visible is not None:
+        # SDPA gives NaN for rows with no visible key: let them see everything, then zero them
+        empty = ~visible.any(-1, keepdim=True)
+        bias = bias.masked_fill(~(visible | empty), float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q, k, v, bias, dropout_p, False, scale=scale, enable_gqa=enable_gqa
+    )
+    return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+def _alibi_blocks(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    slopes: Tensor,
+) -> Tensor:
+    """ALiBi-biased SDPA by blocks of query rows: ``(B, H_q, T_q, D_v)`` in the input dtype."""
+    b, h, t_q, _ = query.shape
+    t_k = key.shape[-2]
+    dtype = query.dtype
+    work = compute_dtype(dtype)
+    q, k, v, slopes = query.to(work), key.to(work), value.to(work), slopes.to(work)
+    mask_b = 1 if attn_mask is None else attn_mask.shape[0]
+    per_row = max(slopes.shape[0] if slopes.dim() == 2 else 1, mask_b) * h * max(t_k, 1)
+    rows = max(1, min(t_q, ALIBI_BLOCK_ELEMENTS // per_row))
+    # several blocks under autograd: recompute each block's bias in the backward instead of
+    # keeping all of them (together they are T_q x T_k); one block keeps the plain graph
+    recompute = (
+        rows < t_q
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (q, k, v))
+        and not torch._C._are_functorch_transforms_active()
+    )
+    offset = t_k - t_q  # bottom-right: query row i sits at absolute position offset + i
+    outs = []
+    for r0 in range(0, t_q, rows):
+        r1 = min(t_q, r0 + rows)
+        k_end = min(t_k, max(0, offset + r1)) if is_causal else t_k  # a causal block's last key
+        if k_end == 0:
+            outs.append(q.new_zeros(b, h, r1 - r0, value.shape[-1]))
+            continue
+        m = None
+        if attn_mask is not None:
+            m = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., r0:r1, :]
+            m = m if m.shape[-1] == 1 else m[..., :k_end]
+        args = (q[:, :, r0:r1], k[:, :, :k_end], v[:, :, :k_end], slopes, m, offset + r0)
+        kw = dict(is_causal=is_causal, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        if recompute:
+            outs.append(checkpoint(_alibi_block, *args, use_reentrant=False, **kw))
+        else:
+            outs.append(_alibi_block(*args, **kw))
+    return torch.cat(outs, dim=2).to(dtype)

@@ -22,8 +22,35 @@ from typing import Any
 
 import torch
 
+from lssar.positions import RopeScaling, check_pos, with_pos
 from lssar.runio import atomic_write
 from lssar.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class EvalRule:
+    """A rule applied to a trained model at evaluation only: an attention switch (the paper's
+    fine-tuning-free re-weighting: ``AttentionSpec("lssar", {"p": 15.0})`` on an LSSA model),
+    a RoPE scaling (``RopeScaling("yarn")``: YaRN at factor = the length multiple), or both.
+    Its :attr:`label` is what a result's label adds after ``->``."""
+
+    attention: AttentionSpec | None = None
+    rope: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention is None and self.rope is None:
+            raise ValueError("an eval rule needs an attention switch, a RoPE scaling, or both")
+
+    @property
+    def label(self) -> str:
+        """``"lssar p=15"``, ``"yarn auto"``, ``"lssar p=15 + yarn auto"``."""
+        parts = [x.label for x in (self.attention, self.rope) if x is not None]
+        return " + ".join(parts)
+
+    def slug(self, sep: str = "-") -> str:
+        """``"lssar-p15"``, ``"yarn-auto"``: for cache file names."""
+        parts = [] if self.attention is None else [self.attention.slug(sep)]
+        return sep.join(parts + ([] if self.rope is None else [self.rope.slug(sep)]))
 
 
 @dataclass(frozen=True)
@@ -34,17 +61,35 @@ class Arm:
     trained rule (``None``: an arm without a model, e.g. the orbits oracle). ``window`` makes the
     arm the locality control: every query sees only its last keys (how many, and whether
     training sees the window, is the study's setting; a window of the training length trains
-    exactly as the full model, so such an arm shares that model's run). ``evals`` are rules
-    applied to the trained model at evaluation only (the paper's fine-tuning-free
-    re-weighting: ``AttentionSpec("lssar", {"p": 15.0})`` on an LSSA model). Studies that need
-    more per arm subclass it (orbits: ``pretrained``).
+    exactly as the full model, so such an arm shares that model's run). ``evals`` are
+    :class:`EvalRule` values applied to the trained model at evaluation only (an
+    :class:`AttentionSpec` stands for the rule that switches to it). ``pos`` is the trained
+    model's position rule (``rope``, ``alibi``, ``nope``: :mod:`lssar.positions`).
+    ``own_rule=False`` makes an arm of eval-only rules on a run another arm trains and evaluates
+    (the RoPE scalings of the softmax runs): it adds its ``evals`` and nothing else. Studies
+    that need more per arm subclass it (orbits: ``pretrained``).
     """
 
     name: str
     attention: AttentionSpec | None
     summary: str = ""
     window: bool = False
-    evals: tuple[AttentionSpec, ...] = ()
+    evals: tuple[EvalRule, ...] = ()
+    pos: str = "rope"
+    own_rule: bool = True
+
+    def __post_init__(self) -> None:
+        rules = tuple(EvalRule(e) if isinstance(e, AttentionSpec) else e for e in self.evals)
+        object.__setattr__(self, "evals", rules)
+        if self.attention is not None:
+            check_pos(self.pos, self.attention.name)
+        if not self.own_rule and not self.evals:
+            raise ValueError(f"arm {self.name!r} has no rule of its own and no eval-only rules")
+
+    @property
+    def trained_label(self) -> str:
+        """The trained rule with the positions: ``"softmax"``, ``"softmax + alibi"``."""
+        return with_pos("" if self.attention is None else self.attention.label, self.pos)
 
 
 def arm_table(*arms: Arm) -> dict[str, Arm]:

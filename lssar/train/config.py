@@ -64,6 +64,7 @@ class TrainConfig:
     mlp_ratio: float = 4.0
     dropout: float = 0.0
     rope_base: float = 10000.0
+    pos: str = "rope"  # positions: rope | alibi (softmax family) | nope; older runs: rope
     attn: str = "softmax"
     attn_p: float | None = None  # -> attn_options {"p": ...}; None = the variant's default
     attn_impl: str = "auto"
@@ -293,4 +294,6 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def default_run_name(cfg: TrainConfig) -> str:
-    return f"{Path(cfg.preset).stem if cfg.preset else 'custom'}-{cfg.attention.slug()}-s{cfg.seed}"
+    pos = "" if cfg.pos == "rope" else f"-{cfg.pos}"  # RoPE runs keep their earlier names
+    stem = Path(cfg.preset).stem if cfg.preset else "custom"
+    return f"{stem}-{cfg.attention.slug()}{pos}-s{cfg.seed}"

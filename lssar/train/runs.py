@@ -42,12 +42,15 @@ def stored_train_config(run_dir: Path) -> dict[str, Any] | None:
 
 
 def check_same_config(stored: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> None:
-    """Raise ``ValueError`` if ``cfg`` differs from the run's in anything but bookkeeping."""
-    now = asdict(cfg)
+    """Raise ``ValueError`` if ``cfg`` differs from the run's in anything but bookkeeping.
+
+    A key the run's config lacks (a field added since, e.g. ``pos``) counts as its default,
+    which is what that run did."""
+    now, defaults = asdict(cfg), asdict(TrainConfig())
     diff = [
-        f"{k}: {stored.get(k)!r} (run) != {v!r} (now)"
+        f"{k}: {stored.get(k, defaults[k])!r} (run) != {v!r} (now)"
         for k, v in now.items()
-        if k not in BOOKKEEPING and stored.get(k) != v
+        if k not in BOOKKEEPING and stored.get(k, defaults[k]) != v
     ]
     if diff:
         raise ValueError(

@@ -5,8 +5,11 @@ on the same budget of validation tokens at every length, with the memory-efficie
 optionally with another attention rule than the one trained (``--attn lssar --attn-p 15`` on an
 LSSA-trained model is the paper's fine-tuning-free re-weighting; the switch follows
 :meth:`lssar.spec.AttentionSpec.override`, as in ``lssar sample`` and ``lssar lm-eval``: the
-trained impl is kept where it runs the new rule). Writes ``eval/<tag>/`` in the run directory:
-``results.json``, ``results.md`` and PNG plots.
+trained impl is kept where it runs the new rule), and a RoPE model with its rotation rescaled
+(``--rope-scaling yarn --rope-factor auto``: PI, NTK, dynamic NTK or YaRN, see
+:mod:`lssar.positions`; ``auto`` = the evaluated length over the training length, at each
+length). Both go through :meth:`lssar.model.GPT.switch`. Writes ``eval/<tag>/`` in the run
+directory: ``results.json``, ``results.md`` and PNG plots.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from lssar.data import get_tokenizer, iter_eval_windows, load_split, read_manife
 from lssar.data.manifest import manifest_files
 from lssar.data.passkey import passkey_sample
 from lssar.model import GPT, sliding_window_mask
+from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest
 from lssar.studies.lm.figures import label_of, plot_results
@@ -39,6 +43,7 @@ N_POSITION_BUCKETS = 32
 _EVAL_SOURCES = (
     "studies/lm/evaluate.py",
     "model.py",
+    "positions.py",
     "spec.py",
     "data/batches.py",
     "data/passkey.py",
@@ -348,13 +353,17 @@ def evaluate_run(
     tag: str | None = None,
     progress: bool = True,
     folder: str = "",
+    rope_scaling: str | None = None,
+    rope_factor: Any = None,
 ) -> dict[str, Any]:
     """Evaluate a run; writes ``RUN/eval/[<folder>/]<tag>/results.json`` (+ .md, plots) and
     returns it (``folder`` keeps the evaluations of different studies of one run apart).
 
     ``attn`` / ``attn_p`` switch the trained attention by :meth:`AttentionSpec.override`;
-    ``window`` limits every query to its last ``window`` keys (the sliding-window control). The
-    default ``tag`` is the evaluated rule's slug (``lssar_p15``, ``softmax_window128``).
+    ``window`` limits every query to its last ``window`` keys (the sliding-window control);
+    ``rope_scaling`` / ``rope_factor`` rescale a RoPE model's rotation (:meth:`GPT.switch`). The
+    default ``tag`` is the evaluated rule's slug (``lssar_p15``, ``softmax_window128``,
+    ``softmax_yarn_auto``).
     Re-running with the same arguments reuses the saved result only while :func:`cache_key`
     matches: the same checkpoint content, run config, data, settings and evaluation code.
     Every result records the run's environment (``env``: the training commit) and its own
@@ -367,14 +376,21 @@ def evaluate_run(
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of keys, got {window}")
     model, cfg, meta = load_run(run_dir)
-    trained = cfg.attention.label
+    trained = with_pos(cfg.attention.label, cfg.pos)
     try:
-        model.set_attention(model.attn_spec.override(attn, p=attn_p))
+        model.switch(attn, attn_p, rope_scaling, rope_factor, cfg.seq_len)
     except ValueError as e:
         what = f"{attn or cfg.attn!r}" + ("" if attn_p is None else f" p={attn_p:g}")
+        if rope_scaling is not None:
+            what += f" and --rope-scaling {rope_scaling}"
         raise ValueError(f"cannot evaluate this run with attention {what}: {e}") from None
-    evaluated = model.attn_spec.label
-    tag = tag or model.attn_spec.slug("_") + ("" if window is None else f"_window{window}")
+    evaluated = with_pos(model.attn_spec.label, cfg.pos)
+    rope = model.rope_scaling
+    tag = tag or (
+        model.attn_spec.slug("_")
+        + ("" if rope is None else f"_{rope.slug()}")
+        + ("" if window is None else f"_window{window}")
+    )
     out_dir = child_path(run_dir / "eval", folder, "folder") if folder else run_dir / "eval"
     out_dir = child_path(out_dir, tag, "--tag")
     settings = {
@@ -385,6 +401,7 @@ def evaluate_run(
         "health": health,
         "passkey": None if passkey is None else dataclasses.asdict(passkey),
         "window": window,
+        "rope_scaling": None if rope is None else rope.label,
     }
     key = cache_key(cfg, meta, settings)
     cached = out_dir / "results.json"
@@ -402,6 +419,7 @@ def evaluate_run(
         "run": str(run_dir),
         "trained_attention": trained,
         "evaluated_attention": evaluated,
+        "rope_scaling": None if rope is None else rope.label,
         "window": window,
         "tag": tag,
         "folder": folder,  # the result lives in RUN/eval/<folder>/<tag>
@@ -512,6 +530,14 @@ def cli(argv: list[str]) -> int:
     ap.add_argument(
         "--window", type=int, help="sliding window: every query sees only its last WINDOW keys"
     )
+    ap.add_argument(
+        "--rope-scaling",
+        help=f"rescale a RoPE model's rotation at evaluation: {', '.join(ROPE_SCALINGS)}",
+    )
+    ap.add_argument(
+        "--rope-factor",
+        help="its factor s: a number, or auto (the default) = evaluated length / training length",
+    )
     ap.add_argument("--tokens", type=int, default=65536, help="validation tokens per length")
     ap.add_argument("--passkey", action="store_true", help="also fine-tune and test passkey")
     dflt = PasskeySettings()
@@ -542,6 +568,8 @@ def cli(argv: list[str]) -> int:
         passkey=pk if args.passkey else None,
         window=args.window,
         tag=args.tag,
+        rope_scaling=args.rope_scaling,
+        rope_factor=args.rope_factor,
     )
     print(results_markdown(r))
     print(f"saved to {Path(r['run']) / 'eval' / r['tag']}")

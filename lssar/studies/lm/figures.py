@@ -35,15 +35,25 @@ COLOURS = {
     "lssa -> lssar p=3 (eval only)": "#74c476",
     "lssa -> lssar p=8 (eval only)": "#31a354",
     "lssa -> lssar p=15 (eval only)": "#00441b",
+    # the practitioner's alternatives (issue #24)
+    "softmax + alibi": "#e6550d",
+    "softmax + nope": "#636363",
+    "lssar p=15 + nope": "#fd8d3c",
+    "softmax -> linear auto (eval only)": "#6baed6",
+    "softmax -> ntk auto (eval only)": "#3182bd",
+    "softmax -> dynamic-ntk auto (eval only)": "#08519c",
+    "softmax -> yarn auto (eval only)": "#08306b",
 }
 _SPARE = ["#393b79", "#ad494a", "#8c6d31", "#637939", "#7b4173", "#3182bd", "#e6550d"]
 _POINTWISE = ("sigmoid", "relu")
 
 
 def label_of(r: Result) -> str:
-    """The arm of a result: the trained rule, ``"lssa -> lssar p=15 (eval only)"`` for a rule
-    switched after training, ``"softmax, sliding window 128"`` for the window control."""
-    label = run_label(r["trained_attention"], r["evaluated_attention"])
+    """The arm of a result: the trained rule (``"softmax + alibi"`` with its positions),
+    ``"lssa -> lssar p=15 (eval only)"`` for a rule switched after training, ``"softmax -> yarn
+    auto (eval only)"`` for a RoPE scaling, ``"softmax, sliding window 128"`` for the window
+    control."""
+    label = run_label(r["trained_attention"], r["evaluated_attention"], r.get("rope_scaling"))
     return label if not r.get("window") else f"{label}, sliding window {r['window']}"
 
 

@@ -19,6 +19,7 @@ from lssar.studies.common import provenance_head
 from lssar.studies.common import write_report as write_files
 from lssar.studies.lm.figures import group, plot_results
 from lssar.studies.lm.presets import (
+    ALTERNATIVES,
     LSSA,
     LSSAR3,
     LSSAR15,
@@ -220,6 +221,71 @@ def _every_arm(losses, multiples, against: str) -> list[str]:
     return _diff_table(losses, multiples, rows, head="arm")
 
 
+# what each of the practitioner's alternatives is, by result label (presets.ALTERNATIVES)
+ALTERNATIVE_NAMES = dict(
+    zip(
+        ALTERNATIVES,
+        [
+            "ALiBi (softmax, trained)",
+            "NoPE (softmax, trained)",
+            "LSSAR p=15 without positions (NoPE, trained)",
+            "position interpolation (PI) on softmax+RoPE",
+            "NTK-aware scaling on softmax+RoPE",
+            "dynamic NTK on softmax+RoPE",
+            "YaRN on softmax+RoPE",
+        ],
+    )
+)
+
+
+def _alternatives(losses, multiples) -> list[str]:
+    """LSSAR p=15 against every alternative present (paired differences and verdicts at every
+    length), and which method has the lowest loss at the longest length, said only as far as
+    the paired intervals allow."""
+    present = [a for a in ALTERNATIVES if a in losses]
+    if not present or LSSAR15.label not in losses:
+        return []
+    top = max(multiples)
+    rows = [(ALTERNATIVE_NAMES[a], LSSAR15.label, a) for a in present]
+    lines = [
+        "## LSSAR against the practitioner's alternatives",
+        "",
+        "What a user would pick instead of LSSAR to run beyond the training length: ALiBi or no "
+        "position encoding, trained in (same model, data, steps and seeds, only the positions "
+        "differ), and RoPE rescaled at evaluation only on the softmax runs, each at factor = "
+        "evaluation length / training length at every length (so at 1x each is the softmax "
+        "model itself). A negative difference means LSSAR p=15 has the lower loss.",
+        "",
+        *_diff_table(losses, multiples, rows, head="alternative"),
+        "",
+    ]
+    candidates = [m for m in (LSSAR15.label, SOFTMAX.label, *present) if m in losses]
+    ranked = sorted(candidates, key=lambda m: _iv(losses[m][top]).mean)
+    best, best_iv = ranked[0], _iv(losses[ranked[0]][top])
+    head = f"Lowest mean loss at {top}x among {', '.join(candidates)}: **{best}**, {_fmt(best_iv)}"
+    if best_iv.lo is None:
+        return lines + [
+            f"{head}. With one seed there is no interval, so no method is best beyond noise.",
+            "",
+        ]
+    gaps = {m: _diff(losses[m][top], losses[best][top]) for m in ranked[1:]}  # m - best
+    close = [m for m, iv in gaps.items() if judge(iv, lo=0.0) != "supported"]
+    runner = ranked[1]
+    gap = f"{runner} - {best} = {_fmt(gaps[runner], 3, sign=True)}"
+    if not close:
+        verdict_line = (
+            f"{head}: **the best method at {top}x**, beyond noise: its paired interval against "
+            f"every other method excludes 0 (runner-up: {gap})."
+        )
+    else:
+        verdict_line = (
+            f"{head}, but it is **not separable** from {', '.join(close)} at this power: "
+            "the paired interval of their difference includes 0 "
+            f"({'; '.join(f'{m} - {best} = {_fmt(gaps[m], 3, sign=True)}' for m in close)})."
+        )
+    return lines + [verdict_line, ""]
+
+
 def _diagnostics(groups, multiples) -> list[str]:
     top = max(multiples)
     lines = [
@@ -407,6 +473,7 @@ def write_report(
             *_every_arm(losses, multiples, LSSAR15.label),
             "",
         ]
+    lines += _alternatives(losses, multiples)
     if any("diagnostics" in r for r in results):
         lines += ["## Attention diagnostics", "", *_diagnostics(groups, multiples), ""]
     health = {k: rs for k, rs in groups.items() if all("numerical_health" in r for r in rs)}

@@ -23,9 +23,10 @@ from lssar.studies.lm.report import write_report
 
 
 def _run_name(preset: str, arm: Arm, seed: int) -> str:
-    """Runs are named by the trained rule: arms that train alike (softmax and its window
-    control) share one."""
-    return f"{preset}-{arm.attention.slug()}-s{seed}"
+    """Runs are named by the trained rule and positions: arms that train alike (softmax, its
+    window control, its RoPE scalings) share one; RoPE runs keep their earlier names."""
+    pos = "" if arm.pos == "rope" else f"-{arm.pos}"
+    return f"{preset}-{arm.attention.slug()}{pos}-s{seed}"
 
 
 def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
@@ -39,6 +40,7 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
         seen.add(name)
         p = arm.attention.to_train()["attn_p"]
         flags = f"--attn={arm.attention.name}" + ("" if p is None else f" --attn_p={p:g}")
+        flags += "" if arm.pos == "rope" else f" --pos={arm.pos}"
         cmds.append(
             f"torchrun --standalone --nproc_per_node=8 -m lssar train --preset "
             f"{preset.train_preset} {flags} --out_dir={runs_dir} --run_name={name}"
@@ -52,23 +54,35 @@ def evaluate_arm(
 ) -> list[dict[str, Any]]:
     """The evaluations of one trained run for ``arm``: its own rule (with passkey if ``arm`` is
     one of the preset's passkey arms), or the sliding window of the training length for the
-    window control, then the arm's eval-only rules (the paper's fine-tuning-free
-    re-weighting). They go to ``RUN/eval/<preset>/``: presets that share a training run (quick
-    and cpu) keep their own evaluations."""
+    window control (none for an arm of eval-only rules), then the arm's eval-only rules (the
+    paper's fine-tuning-free re-weighting, the RoPE scalings). They go to
+    ``RUN/eval/<folder>/`` (the preset's name unless it shares another's): presets that share a
+    training run (quick and cpu) keep their own evaluations."""
     preset = PRESETS[preset_name]
     kw = dict(
         multiples=preset.multiples,
         eval_tokens=preset.eval_tokens,
         progress=progress,
-        folder=preset_name,
+        folder=preset.eval_folder or preset_name,
     )
     pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
+    out = []
     if arm.window:
         out = [evaluate_run(run, window=train_len, **kw)]
-    else:
+    elif arm.own_rule:
         out = [evaluate_run(run, passkey=preset.passkey if arm.name in pk_arms else None, **kw)]
     for rule in arm.evals:
-        out.append(evaluate_run(run, attn=rule.name, attn_p=rule.options.get("p"), **kw))
+        a, r = rule.attention, rule.rope
+        out.append(
+            evaluate_run(
+                run,
+                attn=None if a is None else a.name,
+                attn_p=None if a is None else a.options.get("p"),
+                rope_scaling=None if r is None else r.kind,
+                rope_factor=None if r is None else r.factor,
+                **kw,
+            )
+        )
     return out
 
 
@@ -84,6 +98,7 @@ def _train_and_evaluate(
         preset.train_preset,
         {
             **arm.attention.to_train(),
+            "pos": arm.pos,
             "seed": seed,
             "out_dir": str(runs_dir),
             "run_name": _run_name(preset.train_preset, arm, seed),

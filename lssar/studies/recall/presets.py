@@ -11,8 +11,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
 from lssar.spec import AttentionSpec
-from lssar.studies.common import Arm, arm_table, select_arms
+from lssar.studies.common import Arm, EvalRule, arm_table, select_arms
 from lssar.studies.recall.task import RecallTask
 
 EVAL_SEED = 1_000_003  # evaluation sequences: task.batch((EVAL_SEED, multiple, chunk), ...)
@@ -35,7 +36,23 @@ ARMS = arm_table(
     Arm("lssar p=15", AttentionSpec("lssar", {"p": 15.0})),
     Arm("lssar p=3", AttentionSpec("lssar", {"p": 3.0})),
     Arm("window", AttentionSpec("softmax"), window=True),
+    # the practitioner's alternatives (issue #24): positions trained in, and RoPE rescaled at
+    # evaluation only (factor = the length multiple) on the softmax runs
+    Arm("softmax + alibi", AttentionSpec("softmax"), pos="alibi"),
+    Arm("softmax + nope", AttentionSpec("softmax"), pos="nope"),
+    Arm("lssar p=15 + nope", AttentionSpec("lssar", {"p": 15.0}), pos="nope"),
+    *(
+        Arm(
+            f"softmax -> {kind} auto",
+            AttentionSpec("softmax"),
+            evals=(EvalRule(rope=RopeScaling(kind)),),
+            own_rule=False,
+        )
+        for kind in ROPE_SCALINGS
+    ),
 )
+PAPER_ARMS = tuple(list(ARMS)[:7])  # the arms of the cpu preset before issue #24
+ALTERNATIVE_ARMS = tuple(list(ARMS)[7:])
 
 
 def train_p(arm: Arm) -> float | None:
@@ -43,14 +60,34 @@ def train_p(arm: Arm) -> float | None:
     return arm.attention.options.get("p")
 
 
+def _reweights(rule: EvalRule) -> bool:
+    """An eval-only re-weighting: the switch to lssar at some p, and nothing else."""
+    return rule.rope is None and rule.attention is not None and rule.attention.name == "lssar"
+
+
 def eval_ps(arm: Arm) -> tuple[float, ...]:
     """The p of each of the arm's eval-only re-weighting rules."""
-    return tuple(e.options["p"] for e in arm.evals)
+    return tuple(e.attention.options["p"] for e in arm.evals if _reweights(e))
 
 
-def eval_label(arm: Arm, p: float | None) -> str:
-    """Row label: the arm, or ``lssa -> lssar p=X (eval)`` for an eval-only re-weighting."""
-    return arm.name if p is None else f"{arm.name} -> lssar p={p:g} (eval)"
+def eval_rules(arm: Arm, ps: tuple[float, ...] | None = None) -> list[EvalRule]:
+    """The arm's eval-only rules; ``ps`` (``StudyConfig.eval_ps``) replaces its re-weighting
+    sweep, if it has one."""
+    rules = list(arm.evals)
+    if ps is not None and any(_reweights(r) for r in rules):
+        rules = [r for r in rules if not _reweights(r)]
+        rules = [EvalRule(AttentionSpec("lssar", {"p": p})) for p in ps] + rules
+    return rules
+
+
+def eval_label(arm: Arm, rule: EvalRule | float | None) -> str:
+    """Row label: the arm, ``lssa -> lssar p=X (eval)`` for an eval-only re-weighting (``rule``
+    may be that p), ``softmax -> yarn auto (eval)`` for a RoPE scaling."""
+    if rule is None:
+        return arm.name
+    if not isinstance(rule, EvalRule):
+        rule = EvalRule(AttentionSpec("lssar", {"p": float(rule)}))
+    return f"{with_pos(arm.attention.label, arm.pos)} -> {rule.label} (eval)"
 
 
 @dataclass(frozen=True)
@@ -140,9 +177,20 @@ PRESETS = {
         "<= 10 min on 2 CPU cores",
     ),
     "cpu": Preset(
-        "every arm, 5 seeds",
-        StudyConfig(arms=tuple(ARMS), seeds=(0, 1, 2, 3, 4), jobs=2),
+        "every arm of the paper's comparison and the window control, 5 seeds",
+        StudyConfig(arms=PAPER_ARMS, seeds=(0, 1, 2, 3, 4), jobs=2),
         "<= 75 min on 2 CPU cores",
+    ),
+    # the practitioner's alternatives beside softmax and LSSAR p=15: the same runs directory,
+    # so softmax's and LSSAR's models and evaluations come from the cpu preset when it ran
+    "cpu-baselines": Preset(
+        "LSSAR p=15 and softmax against ALiBi, NoPE (softmax and LSSAR) and PI, NTK, dynamic "
+        "NTK and YaRN at the length multiple on the softmax models, 5 seeds",
+        StudyConfig(
+            arms=("softmax", "lssar p=15", *ALTERNATIVE_ARMS), seeds=(0, 1, 2, 3, 4), jobs=2
+        ),
+        # 15 new models of ~1-1.6 min each (1 thread), 2 workers; the RoPE scalings cost seconds
+        "<= 30 min on 2 CPU cores (~15 min after cpu, whose softmax and LSSAR models it reuses)",
     ),
 }
 

@@ -16,11 +16,23 @@ from lssar.studies.recall.model import window_mask
 from lssar.studies.recall.presets import ARMS, EVAL_PS, EVAL_SEED, eval_label, eval_ps
 from lssar.studies.stats import mean_ci, verdict
 
+# the practitioner's alternatives (issue #24), as row labels: trained arms and eval-only rules
+ALTERNATIVES = [
+    label
+    for a in ARMS.values()
+    if a.pos != "rope" or not a.own_rule
+    for label in ([a.name] if a.own_rule else [eval_label(a, r) for r in a.evals])
+]
 # One colour per arm, the same in every figure.
-_ORDER = list(ARMS) + [eval_label(ARMS["lssa"], p) for p in EVAL_PS]
+_ORDER = (
+    [name for name, a in ARMS.items() if a.own_rule and name not in ALTERNATIVES]
+    + [eval_label(ARMS["lssa"], p) for p in EVAL_PS]
+    + ALTERNATIVES
+)
 _PALETTE = [
     "#d62728", "#ff7f0e", "#8c564b", "#1f77b4", "#2ca02c", "#98df8a", "#7f7f7f",
     "#c5b0d5", "#b39ddb", "#9467bd", "#7e57c2", "#5e35b1", "#311b92",
+    "#e6550d", "#636363", "#fd8d3c", "#6baed6", "#3182bd", "#08519c", "#08306b",
 ]  # fmt: skip
 
 
@@ -102,6 +114,33 @@ def _question(cells, title, pairs, multiples, dist="beyond") -> list[str]:
         *(sentence for _, sentence in found),
         "",
     ]
+
+
+def _best(cells, candidates: list[str], top: int, dist: str = "beyond") -> list[str]:
+    """The candidate with the highest mean accuracy at ``top`` on ``dist``, named the best only
+    when its paired verdict against every other candidate is *supported* (else: which are not
+    separable from it)."""
+    accs = {a: x for a in candidates if (x := _accs(cells, a, top, dist)) is not None}
+    if len(accs) < 2:
+        return []
+    best = max(accs, key=lambda a: sum(accs[a]) / len(accs[a]))
+    head = (
+        f"Highest mean accuracy at {top}x ({dist}) among {', '.join(accs)}: **{best}**, "
+        f"{mean_ci(accs[best]).fmt()}%"
+    )
+    one = lambda a: _accs(cells, a, 1, "all")  # noqa: E731
+    results = {
+        a: verdict(accs[best], accs[a], one(best), one(a), names=(best, a))
+        for a in accs
+        if a != best
+    }
+    if any(v.label in ("no interval", "inconclusive") for v in results.values()):
+        open_ = [a for a, v in results.items() if v.label in ("no interval", "inconclusive")]
+        return [f"{head}; no verdict against {', '.join(open_)} (one seed or not learned).", ""]
+    close = [a for a, v in results.items() if v.label != "supported"]
+    if not close:
+        return [f"{head}: the best, beyond noise, against every other (paired by seed).", ""]
+    return [f"{head}, but **not separable** from {', '.join(close)} at this power.", ""]
 
 
 def _provenance(meta: dict[str, Any]) -> list[str]:
@@ -247,6 +286,16 @@ def write_report(
         longer,
         dist="all",
     )
+    alternatives = [a for a in ALTERNATIVES if a in arms]
+    if alternatives:
+        lines += _question(
+            cells,
+            "5. LSSAR against the practitioner's alternatives (ALiBi, NoPE, and RoPE rescaled "
+            "at evaluation only: PI, NTK, dynamic NTK, YaRN at factor = the length multiple)",
+            [("lssar p=15", a) for a in alternatives],
+            longer,
+        )
+        lines += _best(cells, ["lssar p=15", "softmax", *alternatives], max(multiples))
     lines += [
         "The window control cannot see a pair more than L tokens back, so *beyond* L it answers "
         "with a value it can see (≈ 0%), and *within* L it shows what locality alone achieves; "
@@ -385,6 +434,8 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
     q, k = int(b["query_pos"][0, j]), int(b["key_pos"][0, j])
     panels = []
     for name, (model, arm) in models.items():
+        if not arm.own_rule:  # eval-only rules on another arm's model: not a model of its own
+            continue
         panels.append((name, model, arm, None))
         if eval_ps(arm):
             panels.append((eval_label(arm, 15.0), model, arm, 15.0))

@@ -38,7 +38,7 @@ from lssar.runio import (
     load_data,
     remove_stale_temps,
 )
-from lssar.studies.common import Arm, code_digest, run_units
+from lssar.studies.common import Arm, EvalRule, code_digest, run_units
 from lssar.studies.recall.model import RecallModel, window_mask
 from lssar.studies.recall.presets import (
     ARMS,
@@ -46,7 +46,7 @@ from lssar.studies.recall.presets import (
     PRESETS,
     StudyConfig,
     eval_label,
-    eval_ps,
+    eval_rules,
     parse_set,
     preset_config,
     train_p,
@@ -55,7 +55,14 @@ from lssar.studies.recall.task import IGNORE
 from lssar.train.runs import file_sha256
 
 # what an evaluation's scores depend on besides the model and the settings
-_EVAL_SOURCES = ("studies/recall/model.py", "studies/recall/task.py", "model.py", "spec.py", "ops")
+_EVAL_SOURCES = (
+    "studies/recall/model.py",
+    "studies/recall/task.py",
+    "model.py",
+    "positions.py",
+    "spec.py",
+    "ops",
+)
 
 # ------------------------------------------------------------------------------- training
 
@@ -64,10 +71,17 @@ def run_dir(runs: Path, cfg: StudyConfig, arm: Arm, seed: int) -> Path:
     """The run of ``arm``/``seed``. A window of ``train_len`` at the training length is the
     whole causal context, so the window arm *trains* exactly as softmax: it shares softmax's run
     (one model) and differs only at evaluation, where the window hides keys >= L back."""
-    d = cfg.train_dict() | {"attn": arm.attention.name, "p": train_p(arm)}
+    d = _train_key(cfg, arm)
     h = hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    name = arm.attention.slug()
+    name = arm.attention.slug() + ("" if arm.pos == "rope" else f"-{arm.pos}")
     return runs / f"{name}-s{seed}-{h}"
+
+
+def _train_key(cfg: StudyConfig, arm: Arm) -> dict[str, Any]:
+    """What a model depends on; ``pos`` only when it is not RoPE, so the RoPE runs of every
+    earlier version keep their names."""
+    d = cfg.train_dict() | {"attn": arm.attention.name, "p": train_p(arm)}
+    return d if arm.pos == "rope" else d | {"pos": arm.pos}
 
 
 def build_model(cfg: StudyConfig, arm: Arm) -> RecallModel:
@@ -79,6 +93,7 @@ def build_model(cfg: StudyConfig, arm: Arm) -> RecallModel:
             n_embd=cfg.n_embd,
             attn=arm.attention.name,
             attn_options=dict(arm.attention.options),
+            pos=arm.pos,
         ),
         token_shift=cfg.token_shift,
     )
@@ -209,7 +224,7 @@ def _train_arm(
         "steps": cfg.steps,
         "train_seconds": elapsed + time.time() - t0,
         "log": log,
-        "config": cfg.train_dict() | {"attn": arm.attention.name, "p": train_p(arm)},
+        "config": _train_key(cfg, arm),
         "env": environment("cpu"),
     }
     atomic_write(rd / "done.json", json.dumps(done, indent=1, default=str))
@@ -222,13 +237,14 @@ def _train_arm(
 
 @torch.no_grad()
 def evaluate_arm(
-    model: RecallModel, cfg: StudyConfig, arm: Arm, p: float | None, rd: Path
+    model: RecallModel, cfg: StudyConfig, arm: Arm, rule: EvalRule | None, rd: Path
 ) -> dict[str, dict[str, list[int]]]:
     """Per length multiple: ``correct`` (0/1) and ``distance`` of every scored query, for the
     finished run ``rd``; cached in ``rd/eval-<rule>-<eval_seqs>.json`` under a key of what they
-    depend on. ``p`` set = evaluate with lssar at that p (eval-only re-weighting)."""
-    rule = ("window-sink" if arm.window else "trained") if p is None else f"lssar-p{p:g}"
-    path = rd / f"eval-{rule}-{cfg.eval_seqs}.json"
+    depend on. ``rule`` set = evaluate with that eval-only rule (re-weighting at some p, a RoPE
+    scaling from the training length)."""
+    name = ("window-sink" if arm.window else "trained") if rule is None else rule.slug()
+    path = rd / f"eval-{name}-{cfg.eval_seqs}.json"
     # what the scores depend on: the model's weights (model.pt; a retrained run is another
     # model), the rule, the evaluation sequences (eval_batch cuts them into seeded chunks) and
     # the code; each length multiple is cached under it and added to it when asked for
@@ -236,7 +252,7 @@ def evaluate_arm(
         json.dumps(
             {
                 "model_sha256": file_sha256(rd / "model.pt"),  # a finished run's
-                "rule": rule,
+                "rule": name,
                 "task": dataclasses.asdict(cfg.task),
                 "eval_seqs": cfg.eval_seqs,
                 "eval_batch": cfg.eval_batch,
@@ -252,10 +268,11 @@ def evaluate_arm(
         stored = {}
     ok = isinstance(stored, dict) and stored.get("key") == key
     cached = dict(stored["scores"]) if ok else {}
-    if p is None:
-        model.set_attention(arm.attention.name, dict(arm.attention.options))
-    else:
-        model.set_attention("lssar", {"p": p})
+    model.set_attention(arm.attention.name, dict(arm.attention.options))
+    if rule is not None and rule.attention is not None:
+        model.set_attention(rule.attention.name, dict(rule.attention.options))
+    if rule is not None and rule.rope is not None:
+        model.gpt.set_rope_scaling(rule.rope, cfg.task.train_len)
     model.eval()
     L = cfg.task.train_len
     changed = False
@@ -278,11 +295,16 @@ def evaluate_arm(
     if changed:
         atomic_write(path, json.dumps({"key": key, "scores": cached}))
     model.set_attention(arm.attention.name, dict(arm.attention.options))
+    model.gpt.set_rope_scaling(None)
     return {str(m): cached[str(m)] for m in cfg.multiples}
 
 
 def tidy_rows(
-    arm: Arm, p: float | None, seed: int, ev: dict[str, dict[str, list[int]]], train_len: int
+    arm: Arm,
+    rule: EvalRule | None,
+    seed: int,
+    ev: dict[str, dict[str, list[int]]],
+    train_len: int,
 ) -> list[dict[str, Any]]:
     """One row per (length multiple, distance bucket); empty buckets are left out."""
     rows = []
@@ -296,18 +318,21 @@ def tidy_rows(
         for name, cs in buckets.items():
             if not cs:
                 continue
+            switched = None if rule is None else rule.attention
             rows.append(
                 {
-                    "arm": eval_label(arm, p),
+                    "arm": eval_label(arm, rule),
                     "train_attn": arm.attention.name,
+                    "train_pos": arm.pos,
                     "eval_attn": (
-                        "lssar"
-                        if p is not None
+                        switched.name
+                        if switched is not None
                         else f"{arm.attention.name} window={train_len}"
                         if arm.window
                         else arm.attention.name
                     ),
-                    "eval_p": train_p(arm) if p is None else p,
+                    "eval_p": train_p(arm) if switched is None else switched.options.get("p"),
+                    "eval_rope": None if rule is None or rule.rope is None else rule.rope.label,
                     "seed": seed,
                     "length_multiple": int(m),
                     "distance": name,
@@ -318,11 +343,11 @@ def tidy_rows(
     return rows
 
 
-def _eval_ps(cfg: StudyConfig, arm: Arm) -> list[float | None]:
-    """The evaluation rules of an arm: its own (None), then its eval-time re-weighting sweep."""
-    return [None] + list(
-        eval_ps(arm) if cfg.eval_ps is None else (cfg.eval_ps if arm.evals else ())
-    )
+def _eval_rules(cfg: StudyConfig, arm: Arm) -> list[EvalRule | None]:
+    """The evaluation rules of an arm: its own (None; not for an arm of eval-only rules), then
+    its eval-only rules (the re-weighting sweep, ``cfg.eval_ps`` if set; RoPE scalings)."""
+    own: list[EvalRule | None] = [None] if arm.own_rule else []
+    return own + list(eval_rules(arm, cfg.eval_ps))
 
 
 def units(cfg: StudyConfig) -> list[tuple[int, tuple[str, ...]]]:
@@ -358,9 +383,9 @@ def run_unit(
                 "git_dirty": done.get("env", {}).get("git_dirty"),
             }
         )
-        for p in _eval_ps(cfg, arm):
-            ev = evaluate_arm(model, cfg, arm, p, rd)
-            rows += tidy_rows(arm, p, seed, ev, cfg.task.train_len)
+        for rule in _eval_rules(cfg, arm):
+            ev = evaluate_arm(model, cfg, arm, rule, rd)
+            rows += tidy_rows(arm, rule, seed, ev, cfg.task.train_len)
     return info, rows
 
 
