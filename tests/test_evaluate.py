@@ -523,6 +523,39 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
 
 
+def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_path, monkeypatch):
+    """--jobs 2: arms sharing a run (softmax, its window, its RoPE scalings) are one unit, so no
+    two workers train one run; the report reads the results in (seed, arm) order."""
+    seen: dict = {}
+
+    def fake_units(fn, units, jobs=1, on_done=None):
+        seen["jobs"], seen["units"] = jobs, units
+        return [[[{"arm": a, "seed": u[2]}] for a in u[1]] for u in units]
+
+    def fake_report(name, preset, results, out, seconds):
+        seen["results"] = results
+        return out
+
+    monkeypatch.setattr(reproduce, "run_units", fake_units)
+    monkeypatch.setattr(reproduce, "write_report", fake_report)
+    reproduce.reproduce("cpu-baselines", tmp_path / "runs", tmp_path / "rep", jobs=2)
+    preset = presets.PRESETS["cpu-baselines"]
+    assert seen["jobs"] == 2
+    groups = [(u[2], u[1]) for u in seen["units"]]
+    roped = ("softmax", *(a for a in preset.arms if a.startswith("softmax -> ")))
+    assert groups[0] == (0, roped) and len(groups) == 5 * 3  # 5 runs per seed
+    names = [reproduce._run_name("tiny-cpu", presets.ARMS[a[0]], s) for s, a in groups]
+    assert len(set(names)) == len(names)
+    assert [(r["seed"], r["arm"]) for r in seen["results"]] == [
+        (s, a) for s in preset.seeds for a in preset.arms
+    ]
+    with pytest.raises(ValueError, match="--jobs 0"):
+        reproduce.reproduce("quick", tmp_path / "runs", jobs=0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="under torchrun"):
+        reproduce.reproduce("quick", tmp_path / "runs", jobs=2)
+
+
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     assert cli_main(["reproduce", "--preset", "huge"]) == 2
     assert "choose from quick, cpu, cpu-baselines, paper" in capsys.readouterr().err

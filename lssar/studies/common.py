@@ -115,6 +115,19 @@ def select_arms(table: dict[str, Arm], names: Iterable[str]) -> list[str]:
     return names
 
 
+def units_by_run(
+    arms: Sequence[str], seeds: Sequence[int], run_of: Callable[[str, int], str]
+) -> list[tuple[int, tuple[str, ...]]]:
+    """``(seed, arms)`` per training run, seeds outermost, arms in their given order: arms whose
+    ``run_of(arm, seed)`` is the same run (softmax, its window control, its RoPE scalings) form
+    one unit, so the run trains once and no two workers train it at the same time."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for seed in seeds:
+        for a in arms:
+            out.setdefault((seed, run_of(a, seed)), []).append(a)
+    return [(seed, tuple(group)) for (seed, _), group in out.items()]
+
+
 def _one_thread(fn: Callable[..., Any], *args: Any) -> Any:
     torch.set_num_threads(1)
     return fn(*args)

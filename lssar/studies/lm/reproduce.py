@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lssar.studies.common import Arm, run_units
+from lssar.studies.common import Arm, run_units, units_by_run
 from lssar.studies.lm.evaluate import evaluate_run
 from lssar.studies.lm.presets import ARMS, PRESETS, Preset
 from lssar.studies.lm.report import write_report
@@ -87,13 +87,20 @@ def evaluate_arm(
 
 
 def _train_and_evaluate(
-    preset_name: str, arm_name: str, seed: int, runs_dir: Path, overrides: list[str], progress: bool
-) -> list[dict[str, Any]]:
-    """One (arm, seed) unit: train (or reuse, or resume) its run, then evaluate it (rank 0)."""
+    preset_name: str,
+    arm_names: tuple[str, ...],
+    seed: int,
+    runs_dir: Path,
+    overrides: list[str],
+    progress: bool,
+) -> list[list[dict[str, Any]]]:
+    """One training run and the arms evaluated on it (softmax, its window control and its RoPE
+    scalings share one): train (or reuse, or resume) the run once, then evaluate each arm (rank
+    0); one list of results per arm."""
     from lssar.train import train
     from lssar.train.config import load_config, parse_overrides
 
-    preset, arm = PRESETS[preset_name], ARMS[arm_name]
+    preset, arm = PRESETS[preset_name], ARMS[arm_names[0]]
     cfg = load_config(
         preset.train_preset,
         {
@@ -105,11 +112,11 @@ def _train_and_evaluate(
             **parse_overrides(overrides),
         },
     )
-    print(f"== {arm.name} (seed {seed})", flush=True)
+    print(f"== {', '.join(arm_names)} (seed {seed})", flush=True)
     run = train(cfg, resume=True, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
-        return []
-    return evaluate_arm(preset_name, arm, run, cfg.seq_len, progress)
+        return [[] for _ in arm_names]
+    return [evaluate_arm(preset_name, ARMS[a], run, cfg.seq_len, progress) for a in arm_names]
 
 
 def reproduce(
@@ -118,21 +125,35 @@ def reproduce(
     reports_dir: str | Path = "reports",
     progress: bool = True,
     overrides: list[str] | None = None,
+    jobs: int = 1,
 ) -> Path:
-    """Train + evaluate every arm of ``preset_name``; returns the report directory."""
+    """Train + evaluate every arm of ``preset_name``; returns the report directory.
+
+    ``jobs > 1`` trains and evaluates that many runs at once, in worker processes of one torch
+    thread each (not under torchrun, whose ranks train each run together)."""
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs}: need at least 1 worker")
+    if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"--jobs {jobs} under torchrun: the ranks already share each run; drop it")
     preset = PRESETS[preset_name]
     # Runs are named by the training preset, so presets that share it (quick, cpu) share runs.
     runs_dir = Path(runs_dir or f"runs/reproduce-{preset.train_preset}")
     started = time.time()
-    # in this process, one unit after another: torchrun's ranks train each run together
+    groups = units_by_run(
+        preset.arms, preset.seeds, lambda a, s: _run_name(preset.train_preset, ARMS[a], s)
+    )
     units = [
-        (preset_name, a, seed, runs_dir, list(overrides or []), progress)
-        for seed in preset.seeds
-        for a in preset.arms
+        (preset_name, arms, seed, runs_dir, list(overrides or []), progress and jobs == 1)
+        for seed, arms in groups
     ]
-    results = [r for rs in run_units(_train_and_evaluate, units) for r in rs]
+    done = run_units(_train_and_evaluate, units, jobs)
+    by_arm = {
+        (seed, a): rs for (seed, arms), per_arm in zip(groups, done) for a, rs in zip(arms, per_arm)
+    }
+    # the report reads the results in (seed, arm) order, whatever the grouping or the workers
+    results = [r for seed in preset.seeds for a in preset.arms for r in by_arm[(seed, a)]]
     if int(os.environ.get("RANK", "0")) != 0:
         return Path(reports_dir)
     stamp = dt.date.today().isoformat()
@@ -153,6 +174,13 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--runs-dir", help="where the runs live (default runs/reproduce-PRESET)")
     ap.add_argument("--reports-dir", default="reports")
     ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained and evaluated at once, one thread each (default 1: one run at a "
+        "time with every thread); results do not depend on it beyond float summation order",
+    )
+    ap.add_argument(
         "--execute",
         action="store_true",
         help="paper preset: run the torchrun commands here instead of printing them",
@@ -170,7 +198,9 @@ def cli(argv: list[str]) -> int:
         )
         print("\n".join(paper_commands(PRESETS["paper"], runs)))
         return 0
-    out = reproduce(args.preset, args.runs_dir, args.reports_dir, overrides=overrides)
+    out = reproduce(
+        args.preset, args.runs_dir, args.reports_dir, overrides=overrides, jobs=args.jobs
+    )
     print((out / "REPORT.md").read_text())
     print(f"report: {out / 'REPORT.md'}")
     return 0

@@ -38,7 +38,7 @@ from lssar.runio import (
     load_data,
     remove_stale_temps,
 )
-from lssar.studies.common import Arm, EvalRule, code_digest, run_units
+from lssar.studies.common import Arm, EvalRule, code_digest, run_units, units_by_run
 from lssar.studies.recall.model import RecallModel, window_mask
 from lssar.studies.recall.presets import (
     ARMS,
@@ -353,12 +353,7 @@ def _eval_rules(cfg: StudyConfig, arm: Arm) -> list[EvalRule | None]:
 def units(cfg: StudyConfig) -> list[tuple[int, tuple[str, ...]]]:
     """``(seed, arms)`` per trained model, seeds outermost: arms sharing a run (window and
     softmax) form one unit, so the model trains once."""
-    out: dict[tuple[int, str], list[str]] = {}
-    for seed in cfg.seeds:
-        for a in cfg.arms:
-            key = (seed, run_dir(Path(), cfg, ARMS[a], seed).name)
-            out.setdefault(key, []).append(a)
-    return [(seed, tuple(arms)) for (seed, _), arms in out.items()]
+    return units_by_run(cfg.arms, cfg.seeds, lambda a, s: run_dir(Path(), cfg, ARMS[a], s).name)
 
 
 def run_unit(
