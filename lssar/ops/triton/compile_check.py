@@ -1,0 +1,466 @@
+"""Ahead-of-time compile check of the Triton kernels for sm_80 / sm_90, on a machine without a GPU.
+
+``python -m lssar.ops.triton.compile_check [--grid reduced|full] [--arch 80 90] [--jobs N]``
+
+The interpreter (how the tests run the kernels without a GPU) accepts code that real hardware
+rejects or runs slowly. This module compiles every ``@triton.jit`` kernel x every autotune config
+x every constexpr combination that :mod:`lssar.ops.triton.host` launches with the real Triton
+compiler (``triton.compile`` with a ``GPUTarget``: PTX, then a cubin from the wheel's ``ptxas``),
+and reports per build: compiled or the error, shared memory per block against the arch's limit,
+registers, spill stores / loads (``ptxas -v``), and tensor-core instructions (HMMA / HGMMA)
+counted in the SASS (``cuobjdump -sass``).
+
+Nothing here copies a table of launches: :func:`launches` runs the host's own ``_forward`` and
+``_backward`` on small CPU tensors with its ``_launch`` replaced by a recorder, so the kernels,
+pointer dtypes, strides, scalars and constexprs are exactly what the host passes; the JIT's own
+binder then specialises them (integer ``1`` -> constexpr, 16-divisibility) as a launch would, and
+the autotuner's own ``prune_configs_by`` marks which configs it may pick for that launch.
+
+Results are cached as JSON per build (key: the Triton source hash of the specialised kernel,
+target, options, Triton version) under ``$LSSAR_COMPILE_CACHE`` or
+``~/.cache/lssar/compile_check``: a rerun recompiles only what changed. ``TRITON_INTERPRET=1``
+must not be set (the kernels would be decorated for the interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import triton
+
+from lssar.ops.triton import host
+from lssar.ops.triton import kernels as K
+from lssar.ops.variants import VARIANTS
+
+# Largest shared memory one block may use (opt-in dynamic maximum), bytes.
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+ARCHS = (80, 90)
+# Sequence length of the recorded launches: a training length. It only sets the autotuner's
+# length bucket (tq_key, tk_key; row tiles taller than T_q are pruned for decoding) and the
+# 16-divisibility of lengths and strides, as a real launch of that length would.
+SEQ_LEN = 1024
+BATCH, HEADS = 2, 4  # not 1: the JIT would turn H = 1 into a constant
+
+_SCHEMA = 2  # version of the measurements' format: part of the cache key
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One combination of what a caller can choose: head dim, dtype, causal, variant, mask."""
+
+    head_dim: int
+    dtype: str  # a key of _DTYPES
+    causal: bool
+    variant: str  # a name in lssar.ops.variants.VARIANTS
+    mask: bool
+
+    @property
+    def label(self) -> str:
+        """Short, stable description, e.g. ``lssar d128 bf16 causal``."""
+        flags = ("causal" if self.causal else "full") + (" mask" if self.mask else "")
+        return f"{self.variant} d{self.head_dim} {self.dtype} {flags}"
+
+
+def grid(name: str) -> list[Case]:
+    """The cases of a named grid.
+
+    ``full``: head dim 64/128/256 x bf16/fp16/fp32 x causal or not x lssa/lssar x mask or not.
+    ``reduced`` (the default test run): the combinations whose resources differ most (head dim
+    128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case);
+    causal and mask add a few integer ops per element and move no tile size.
+    """
+    if name == "full":
+        return [
+            Case(d, dt, c, v, m)
+            for d in (64, 128, 256)
+            for dt in ("bf16", "fp16", "fp32")
+            for c in (True, False)
+            for v in ("lssa", "lssar")
+            for m in (False, True)
+        ]
+    if name == "reduced":
+        return [
+            Case(128, "bf16", True, "lssar", False),
+            Case(128, "fp32", True, "lssar", False),
+            Case(64, "bf16", True, "lssar", False),
+            Case(256, "bf16", True, "lssar", False),
+            Case(128, "bf16", True, "lssa", False),
+            Case(128, "fp16", False, "lssar", True),
+        ]
+    raise ValueError(f"unknown grid {name!r}: 'reduced' or 'full'")
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch the host makes for a case: the kernel, its autotuner, its arguments."""
+
+    name: str  # fwd, rows, dq, dkdv
+    kernel: Any  # triton.runtime.JITFunction
+    tuned: Any  # triton.runtime.Autotuner
+    args: tuple
+    kwargs: dict
+
+
+_NAMES = {
+    "fwd_kernel": "fwd",
+    "bwd_rows_kernel": "rows",
+    "bwd_dq_kernel": "dq",
+    "bwd_dkdv_kernel": "dkdv",
+}
+
+
+def launches(case: Case) -> list[Launch]:
+    """The launches ``host._forward`` and ``host._backward`` make for ``case`` (recorded)."""
+    if K.INTERPRETED:
+        raise RuntimeError(
+            "the kernels were decorated for the interpreter: unset TRITON_INTERPRET and rerun"
+        )
+    variant = VARIANTS[case.variant]
+    dtype = _DTYPES[case.dtype]
+    shape = (BATCH, HEADS, SEQ_LEN, case.head_dim)
+    q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
+    mask = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool) if case.mask else None
+    c, log_n = variant.softplus_scale(case.head_dim, None)
+    p = variant.options.get("p")
+    p = None if p is None else float(p)
+    args = (mask, case.causal, float(c), log_n, bool(variant.qk_norm), p, True)  # precise default
+    recorded: list[Launch] = []
+
+    def record(kernel, tuned, rows, parallel, *a, **kw):
+        recorded.append(Launch(_NAMES[kernel.fn.__name__], kernel, tuned, a, kw))
+
+    with mock.patch.object(host, "_launch", record):
+        out, stats = host._forward(q, k, v, *args)
+        mask_, causal, c_, log_n_, qk_norm, p_, precise = args
+        host._backward(
+            torch.zeros_like(out),
+            q,
+            k,
+            v,
+            out,
+            mask_,
+            stats,
+            causal,
+            c_,
+            log_n_,
+            qk_norm,
+            p_,
+            precise,
+        )
+    return recorded
+
+
+@dataclasses.dataclass
+class Build:
+    """One compile job: a specialised kernel, one autotune config, one target arch."""
+
+    case: Case
+    kernel: str  # fwd, rows, dq, dkdv (or a reference kernel's name)
+    config: str  # "BMxBN wW sS"
+    arch: int
+    kept: bool  # whether the autotuner's pruning keeps this config for this launch
+    module: str  # where the @triton.jit function lives
+    fn_name: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    key: str  # cache key
+
+
+def _config_label(cfg: triton.Config) -> str:
+    kw = cfg.kwargs
+    return f"{kw['BM']}x{kw['BN']} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def specialise(kernel, args: tuple, kwargs: dict, arch: int) -> tuple[dict, dict, dict, dict]:
+    """``(signature, constexprs, attrs, options)`` exactly as ``kernel[grid](*args, **kwargs)``
+    would build them on a device of compute capability ``arch`` (Triton's own binder)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kw = {"debug": False, **kwargs}
+    bound, spec, opts = binder(*args, **kw)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, opts)
+    return signature, constexprs, attrs, dict(options.__dict__)
+
+
+def _cache_key(kernel, signature, constexprs, attrs, options, arch) -> str:
+    from triton.compiler import ASTSource
+
+    src = ASTSource(kernel, signature, constexprs, attrs).hash()
+    opts = json.dumps({k: repr(v) for k, v in sorted(options.items())})
+    blob = f"{src}|{arch}|{opts}|{triton.__version__}|{_SCHEMA}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def builds(cases: list[Case], archs: tuple[int, ...], kept_only: bool = False) -> list[Build]:
+    """Every (launch of every case) x (every config of its autotuner) x arch; ``kept_only``: only
+    the configs the autotuner's pruning keeps for that launch (the ones a GPU may run)."""
+    out = []
+    for case in cases:
+        for ln in launches(case):
+            nargs = dict(zip(ln.kernel.arg_names, ln.args))
+            pruned = ln.tuned.configs
+            if ln.tuned.early_config_prune:
+                pruned = ln.tuned.early_config_prune(ln.tuned.configs, nargs, **ln.kwargs)
+            for cfg in pruned if kept_only else ln.tuned.configs:
+                kw = {**ln.kwargs, **cfg.all_kwargs()}
+                for arch in archs:
+                    sig, cst, attrs, opts = specialise(ln.kernel, ln.args, kw, arch)
+                    out.append(
+                        Build(
+                            case, ln.name, _config_label(cfg), arch, cfg in pruned,
+                            ln.kernel.fn.__module__, ln.kernel.fn.__name__,
+                            sig, cst, attrs, opts,
+                            _cache_key(ln.kernel, sig, cst, attrs, opts, arch),
+                        )
+                    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------- compile, measure
+
+_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# an instruction line of `cuobjdump -sass`: /*0a30*/  @!P0 HGMMA.64x64x16.F32.BF16 ...
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+_BRA_TARGET = re.compile(r"BRA\s+(?:`\()?\s*(0x[0-9a-f]+)")
+
+
+def sass(cubin: bytes) -> list[tuple[int, str, int | None]]:
+    """``(address, opcode with modifiers, branch target or None)`` of every instruction in a cubin
+    (``cuobjdump -sass``)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [str(_TOOLS / "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    out = []
+    for line in text.splitlines():
+        m = _SASS_LINE.match(line)
+        if m:
+            tgt = _BRA_TARGET.search(line) if m[2].startswith("BRA") else None
+            out.append((int(m[1], 16), m[2], int(tgt[1], 16) if tgt else None))
+    return out
+
+
+def opcode_counts(instrs: list[tuple[int, str, int | None]]) -> dict[str, int]:
+    """Counts of the instruction classes the report uses (tensor cores, MUFU, local memory)."""
+    ops = [op for _, op, _ in instrs]
+    return {
+        "hgmma": sum(op.startswith("HGMMA") for op in ops),
+        "hmma": sum(op.startswith("HMMA") for op in ops),
+        "ex2": sum(op.startswith("MUFU.EX2") for op in ops),
+        "lg2": sum(op.startswith("MUFU.LG2") for op in ops),
+        "rcp": sum(op.startswith("MUFU.RCP") for op in ops),
+        "local": sum(op.startswith(("STL", "LDL")) for op in ops),
+        "total": sum(op != "NOP" for op in ops),
+    }
+
+
+def innermost_loops(instrs: list[tuple[int, str, int | None]]) -> list[tuple[int, int]]:
+    """Address ranges ``[start, end]`` of the innermost loops: a backward branch closes a loop
+    that starts at its target; a loop containing another loop is not innermost. Triton's
+    software pipelining leaves the steady state of each ``for`` over key / query blocks here."""
+    loops = sorted({(t, a) for a, _, t in instrs if t is not None and t < a})
+    return [
+        (s, e)
+        for s, e in loops
+        if not any((s, e) != (s2, e2) and s <= s2 and e2 <= e for s2, e2 in loops)
+    ]
+
+
+def loop_counts(instrs: list[tuple[int, str, int | None]]) -> dict[str, int]:
+    """:func:`opcode_counts` of the instructions inside the innermost loops (one iteration of
+    each: the static cost of one tile of scores), plus how many such loops there are."""
+    loops = innermost_loops(instrs)
+    body = [i for i in instrs if any(s <= i[0] <= e for s, e in loops)]
+    return {"loops": len(loops), **opcode_counts(body)}
+
+
+def compile_one(module: str, fn_name: str, signature, constexprs, attrs, options, arch) -> dict:
+    """Compile one build in this process; returns its measurements (or its error) as a dict.
+
+    Triton's own cache is bypassed (a private temporary cache dir) so that ``ptxas -v`` always
+    runs and its log (registers, spills) can be read; :func:`run` caches the measurements.
+    """
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), fn_name)
+    t0 = time.perf_counter()
+    log = io.StringIO()
+    tmp = tempfile.mkdtemp(prefix="lssar-cc-")
+    try:
+        with knobs.cache.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.cache.dir = tmp
+            knobs.nvidia.dump_ptxas_log = True
+            ck = triton.compile(
+                ASTSource(fn, signature, constexprs, attrs),
+                target=GPUTarget("cuda", arch, 32),
+                options=options,
+            )
+    except Exception as e:  # a failed compile is a result to report, not a crash of the check
+        msg = str(e).strip().splitlines()
+        return {"ok": False, "error": f"{type(e).__name__}: {msg[-1] if msg else ''}"[:300]}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    text = log.getvalue()
+    spill = _SPILL.search(text)
+    regs = _REGS.search(text)
+    instrs = sass(ck.asm["cubin"])
+    return {
+        "ok": True,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "shared": int(ck.metadata.shared),
+        "regs": int(regs[1]) if regs else None,
+        "spill_store": int(spill[1]) if spill else 0,
+        "spill_load": int(spill[2]) if spill else 0,
+        **opcode_counts(instrs),
+        "loop": loop_counts(instrs),
+    }
+
+
+def _compile_build(b: Build) -> dict:
+    return compile_one(b.module, b.fn_name, b.signature, b.constexprs, b.attrs, b.options, b.arch)
+
+
+def cache_dir() -> Path:
+    """The measurement cache: ``$LSSAR_COMPILE_CACHE`` or ``~/.cache/lssar/compile_check``."""
+    env = os.environ.get("LSSAR_COMPILE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "lssar" / "compile_check"
+
+
+def run(blds: list[Build], jobs: int = 2, cache: Path | None = None) -> list[dict]:
+    """Measure every build (cached ones from ``cache``, the rest compiled in ``jobs`` processes)."""
+    cache = cache_dir() if cache is None else cache
+    cache.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    todo = []
+    for b in blds:
+        f = cache / f"{b.key}.json"
+        if f.exists():
+            results[b.key] = json.loads(f.read_text())
+        elif b.key not in {t.key for t in todo}:
+            todo.append(b)
+    if todo:
+        # spawn, not fork: the parent has run torch ops (OpenMP threads must not be forked)
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(
+            max_workers=max(1, jobs), mp_context=mp.get_context("spawn")
+        ) as ex:
+            for b, res in zip(todo, ex.map(_compile_build, todo)):
+                results[b.key] = res
+                (cache / f"{b.key}.json").write_text(json.dumps(res))
+    return [{**_row_id(b), **results[b.key]} for b in blds]
+
+
+def _row_id(b: Build) -> dict:
+    return {
+        "case": b.case.label,
+        **dataclasses.asdict(b.case),
+        "kernel": b.kernel,
+        "config": b.config,
+        "arch": b.arch,
+        "kept": b.kept,
+        "shared_limit": SHARED_LIMIT[b.arch],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as one Markdown table (``kept``: the autotuner may pick the config)."""
+    head = (
+        "| case | kernel | config | sm | kept | ok | shared KB / limit | regs | spill B (st/ld) "
+        "| HGMMA | HMMA |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(
+                f"| {r['case']} | {r['kernel']} | {r['config']} | {r['arch']} | "
+                f"{'yes' if r['kept'] else 'no'} | ERROR: {r['error']} | | | | | |"
+            )
+            continue
+        over = " OVER" if r["shared"] > r["shared_limit"] else ""
+        spill = f"{r['spill_store']}/{r['spill_load']}" if r["spill_store"] else "0"
+        lines.append(
+            f"| {r['case']} | {r['kernel']} | {r['config']} | {r['arch']} | "
+            f"{'yes' if r['kept'] else 'no'} | yes | {r['shared'] / 1024:.0f} / "
+            f"{r['shared_limit'] // 1024}{over} | {r['regs']} | {spill} | "
+            f"{r['hgmma']} | {r['hmma']} |"
+        )
+    return "\n".join(lines)
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """What the tests refuse: a failed compile, a config over shared memory that the autotuner may
+    pick, a kept config that spills, an sm_90 half-precision build without HGMMA."""
+    out = []
+    for r in rows:
+        where = f"{r['case']} {r['kernel']} {r['config']} sm_{r['arch']}"
+        if not r["ok"]:
+            out.append(f"{where}: does not compile ({r['error']})")
+            continue
+        if r["kept"] and r["shared"] > r["shared_limit"]:
+            out.append(f"{where}: {r['shared']} B shared memory > {r['shared_limit']}")
+        if r["kept"] and r["spill_store"] + r["spill_load"] > 0:
+            out.append(f"{where}: spills {r['spill_store']}/{r['spill_load']} B")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: compile the grid, print the table, exit 1 if :func:`problems` finds any."""
+    ap = argparse.ArgumentParser(
+        prog="python -m lssar.ops.triton.compile_check", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--grid", default="reduced", choices=("reduced", "full"))
+    ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=ARCHS)
+    ap.add_argument(
+        "--kept-only", action="store_true", help="only configs the autotuner's pruning keeps"
+    )
+    ap.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
+    ap.add_argument("--cache", type=Path, default=None, help="measurement cache directory")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    blds = builds(grid(a.grid), tuple(a.arch), a.kept_only)
+    rows = run(blds, a.jobs, a.cache)
+    print(table(rows))
+    bad = problems(rows)
+    print(f"\n{len(rows)} builds, {time.perf_counter() - t0:.0f} s; {len(bad)} problems")
+    for line in bad:
+        print("  " + line)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
