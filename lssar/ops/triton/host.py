@@ -53,13 +53,15 @@ def _interpreting() -> bool:
 
 
 def _launch(kernel, tuned, rows: int, parallel: int, *args: Any, **kwargs: Any) -> None:
-    """Launch ``ceil(rows / block) x parallel`` programs; fixed 16x16 tiles when interpreted."""
+    """Launch ``ceil(rows / block) * parallel`` programs on a 1-D grid (axis 0 takes 2^31 - 1
+    programs, axis 1 only 65,535: large batch x heads would not launch); the kernels split the
+    program id back into (block, batch*head). Fixed 16x16 tiles when interpreted."""
     if _interpreting():
-        grid = (triton.cdiv(rows, INTERPRET_BLOCK), parallel)
+        grid = (triton.cdiv(rows, INTERPRET_BLOCK) * parallel,)
         kernel[grid](*args, BM=INTERPRET_BLOCK, BN=INTERPRET_BLOCK, **kwargs)
         return
     block = "BN" if kernel is K.bwd_dkdv_kernel else "BM"
-    tuned[lambda meta: (triton.cdiv(rows, meta[block]), parallel)](*args, **kwargs)
+    tuned[lambda meta: (triton.cdiv(rows, meta[block]) * parallel,)](*args, **kwargs)
 
 
 def _pow2(x: int) -> int:

@@ -6,7 +6,7 @@ The math is METHOD.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly 
 ``r = x / x_max``, LSSA weights for rows whose ``x`` are all within ``uniform_tolerance * mu_i``,
 zeros for rows with ``N_i = 0``). Only the schedule differs:
 
-forward (grid: query blocks x batch*heads; the ``T_q x T_k`` scores never exist)
+forward (programs: query blocks x batch*heads on a 1-D grid; the ``T_q x T_k`` scores never exist)
     LSSA: one pass over the key blocks accumulating ``sum_j softplus(s_ij) v_j`` and ``Z_i``
     (Softplus needs no running max, so there is no rescaling as in softmax).
     LSSAR: pass 1 gives ``Z_i`` and ``m_i = max_j s_ij``; Softplus is monotone, so
@@ -152,9 +152,21 @@ def _scores(
     if CAUSAL:
         vis = vis & (offs_n[None, :] <= offs_m[:, None] + off)
     if HAS_MASK:
-        allowed = tl.load(Mb + offs_m[:, None] * smq + offs_n[None, :] * smk, mask=vis, other=0)
+        allowed = tl.load(
+            Mb + offs_m[:, None].to(tl.int64) * smq + offs_n[None, :] * smk, mask=vis, other=0
+        )
         vis = vis & (allowed != 0)
     return s, vis
+
+
+@triton.jit
+def _program(T, B: tl.constexpr):
+    # (block, batch*head) from a 1-D grid of cdiv(T, B) * batch*heads programs. The block index
+    # varies fastest, as on a (blocks, batch*heads) grid (one head's programs run together and
+    # share its K/V in L2), but batch*heads is not bound by grid axis 1's limit of 65,535.
+    pid = tl.program_id(0)
+    nblk = tl.cdiv(T, B)
+    return pid % nblk, (pid // nblk).to(tl.int64)
 
 
 @triton.jit
@@ -200,8 +212,7 @@ def fwd_kernel(
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_m, pid_bh = _program(Tq, BM)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
@@ -211,7 +222,7 @@ def fwd_kernel(
     rmask = offs_m < Tq
     rows = pid_bh * Tq + offs_m
     q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+        Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
         mask=rmask[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
@@ -234,7 +245,7 @@ def fwd_kernel(
             offs_n = start_n + tl.arange(0, BN)
             kmask = offs_n < Tk
             k = tl.load(
-                Kb + offs_n[:, None] * skt + offs_d[None, :],
+                Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
                 mask=kmask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
@@ -259,7 +270,7 @@ def fwd_kernel(
         offs_n = start_n + tl.arange(0, BN)
         kmask = offs_n < Tk
         k = tl.load(
-            Kb + offs_n[:, None] * skt + offs_d[None, :],
+            Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
             mask=kmask[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
@@ -277,14 +288,14 @@ def fwd_kernel(
         w = tl.where(vis, w, 0.0)
         wsum += tl.sum(w, 1)
         v = tl.load(
-            Vb + offs_n[:, None] * svt + offs_dv[None, :],
+            Vb + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
             mask=kmask[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
         )
         acc += _dot_lp(w, v, IEEE, UPCAST, SPLIT)
     out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
     tl.store(
-        O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :],
+        O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_dv[None, :],
         out.to(O.dtype.element_ty),
         mask=rmask[:, None] & (offs_dv[None, :] < DV),
     )
@@ -307,8 +318,7 @@ def bwd_rows_kernel(
     # D_i = sum_j P_ij dP_ij and F_i = sum_j dx_ij. For LSSAR both come from one pass over the
     # keys with the same fp32 P as the dq/dk/dv kernels (not from the rounded output):
     # F_i = p / (W x_max) * (sum_j r^(p-1) dP_ij - D_i sum_j r^(p-1)).
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_m, pid_bh = _program(Tq, BM)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
@@ -319,12 +329,14 @@ def bwd_rows_kernel(
     rows = pid_bh * Tq + offs_m
     gmask = rmask[:, None] & (offs_dv[None, :] < DV)
     go = tl.load(
-        GO + b * sgb + h * sgh + offs_m[:, None] * sgt + offs_dv[None, :], mask=gmask, other=0.0
+        GO + b * sgb + h * sgh + offs_m[:, None].to(tl.int64) * sgt + offs_dv[None, :],
+        mask=gmask,
+        other=0.0,
     )
     f = tl.zeros((BM,), tl.float32)
     if REWEIGHT:
         q = tl.load(
-            Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+            Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
             mask=rmask[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
@@ -350,13 +362,13 @@ def bwd_rows_kernel(
             offs_n = start_n + tl.arange(0, BN)
             kmask = offs_n < Tk
             k = tl.load(
-                Kb + offs_n[:, None] * skt + offs_d[None, :],
+                Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
                 mask=kmask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
             ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
             v = tl.load(
-                Vb + offs_n[:, None] * svt + offs_dv[None, :],
+                Vb + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
                 mask=kmask[:, None] & (offs_dv[None, :] < DV),
                 other=0.0,
             )
@@ -376,7 +388,9 @@ def bwd_rows_kernel(
         f = tl.where(has, p * winv * inv_xmax * (s1 - d * s2), 0.0)
     else:
         o = tl.load(
-            O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :], mask=gmask, other=0.0
+            O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_dv[None, :],
+            mask=gmask,
+            other=0.0,
         )
         d = tl.sum(go.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DF + rows, d, mask=rmask)
@@ -394,8 +408,7 @@ def bwd_dq_kernel(
     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # dq_fix_i = sum_j ds_ij c_i / (|q_i| |k_j|) k_j (gradient at fixed norms), fp32 (B,H,Tq,BD).
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_m, pid_bh = _program(Tq, BM)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // G
@@ -405,12 +418,12 @@ def bwd_dq_kernel(
     rmask = offs_m < Tq
     rows = pid_bh * Tq + offs_m
     q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+        Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
         mask=rmask[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
     go = tl.load(
-        GO + b * sgb + h * sgh + offs_m[:, None] * sgt + offs_dv[None, :],
+        GO + b * sgb + h * sgh + offs_m[:, None].to(tl.int64) * sgt + offs_dv[None, :],
         mask=rmask[:, None] & (offs_dv[None, :] < DV),
         other=0.0,
     )
@@ -438,13 +451,13 @@ def bwd_dq_kernel(
         offs_n = start_n + tl.arange(0, BN)
         kmask = offs_n < Tk
         k = tl.load(
-            Kb + offs_n[:, None] * skt + offs_d[None, :],
+            Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
             mask=kmask[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
         ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
         v = tl.load(
-            Vb + offs_n[:, None] * svt + offs_dv[None, :],
+            Vb + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
             mask=kmask[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
         )
@@ -478,8 +491,7 @@ def bwd_dkdv_kernel(
 ):  # fmt: skip
     # One key block of one kv head; loops over the G query heads of its GQA group and over the
     # query blocks that can see it, so dk/dv are summed in registers (deterministic).
-    pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1).to(tl.int64)
+    pid_n, pid_bk = _program(Tk, BN)
     HK = H // G
     b = pid_bk // HK
     hk = pid_bk % HK
@@ -488,12 +500,12 @@ def bwd_dkdv_kernel(
     offs_dv = tl.arange(0, BDV)
     kmask = offs_n < Tk
     k = tl.load(
-        K + b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :],
+        K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
         mask=kmask[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
     v = tl.load(
-        V + b * svb + hk * svh + offs_n[:, None] * svt + offs_dv[None, :],
+        V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
         mask=kmask[:, None] & (offs_dv[None, :] < DV),
         other=0.0,
     )
@@ -514,12 +526,12 @@ def bwd_dkdv_kernel(
             rmask = offs_m < Tq
             rows = bh * Tq + offs_m
             q = tl.load(
-                Qb + offs_m[:, None] * sqt + offs_d[None, :],
+                Qb + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
                 mask=rmask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
             go = tl.load(
-                GOb + offs_m[:, None] * sgt + offs_dv[None, :],
+                GOb + offs_m[:, None].to(tl.int64) * sgt + offs_dv[None, :],
                 mask=rmask[:, None] & (offs_dv[None, :] < DV),
                 other=0.0,
             )
