@@ -207,6 +207,13 @@ def specialise(kernel, args: tuple, kwargs: dict, arch: int) -> tuple[dict, dict
     return signature, constexprs, attrs, dict(options.__dict__)
 
 
+def _risk(ln: Launch, cfg: triton.Config) -> tuple[float, int]:
+    bm, bn, bd, bdv = cfg.kwargs["BM"], cfg.kwargs["BN"], ln.kwargs["BD"], ln.kwargs["BDV"]
+    esize = 4 if ln.kwargs["IEEE"] else 2
+    words = K._live_words(ln.name, bm, bn, cfg.num_warps, bd, bdv)
+    return words, K._shared_bytes(ln.name, bm, bn, cfg.num_stages, bd, bdv, esize)
+
+
 def _cache_key(kernel, signature, constexprs, attrs, options, arch) -> str:
     from triton.compiler import ASTSource
 
@@ -216,9 +223,14 @@ def _cache_key(kernel, signature, constexprs, attrs, options, arch) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def builds(cases: list[Case], archs: tuple[int, ...], kept_only: bool = False) -> list[Build]:
+def builds(
+    cases: list[Case], archs: tuple[int, ...], kept_only: bool = False, riskiest: int = 0
+) -> list[Build]:
     """Every (launch of every case) x (every config of its autotuner) x arch; ``kept_only``: only
-    the configs the autotuner's pruning keeps for that launch (the ones a GPU may run)."""
+    the configs the autotuner's pruning keeps for that launch (the ones a GPU may run);
+    ``riskiest > 0``: only that many kept configs per launch, those closest to spilling by the
+    kernels' own estimate (:func:`lssar.ops.triton.kernels.fits`'s live words, then shared
+    memory): a quick check of the pruning's edge; the full grid checks every config."""
     out = []
     for case in cases:
         for ln in launches(case):
@@ -226,7 +238,10 @@ def builds(cases: list[Case], archs: tuple[int, ...], kept_only: bool = False) -
             pruned = ln.tuned.configs
             if ln.tuned.early_config_prune:
                 pruned = ln.tuned.early_config_prune(ln.tuned.configs, nargs, **ln.kwargs)
-            for cfg in pruned if kept_only else ln.tuned.configs:
+            chosen = pruned if kept_only or riskiest else ln.tuned.configs
+            if riskiest:
+                chosen = sorted(chosen, key=lambda c: _risk(ln, c), reverse=True)[:riskiest]
+            for cfg in chosen:
                 kw = {**ln.kwargs, **cfg.all_kwargs()}
                 for arch in archs:
                     sig, cst, attrs, opts = specialise(ln.kernel, ln.args, kw, arch)
@@ -445,12 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kept-only", action="store_true", help="only configs the autotuner's pruning keeps"
     )
+    ap.add_argument(
+        "--riskiest", type=int, default=0, help="only the N kept configs closest to spilling"
+    )
     ap.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
     ap.add_argument("--cache", type=Path, default=None, help="measurement cache directory")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    blds = builds(grid(a.grid), tuple(a.arch), a.kept_only)
+    blds = builds(grid(a.grid), tuple(a.arch), a.kept_only, a.riskiest)
     rows = run(blds, a.jobs, a.cache)
     print(table(rows))
     bad = problems(rows)

@@ -132,7 +132,7 @@ def _scores(
     ik,
     offs_m,
     offs_n,
-    Mb,
+    Mblk,
     smq,
     smk,
     Tq,
@@ -153,10 +153,28 @@ def _scores(
         vis = vis & (offs_n[None, :] <= offs_m[:, None] + off)
     if HAS_MASK:
         allowed = tl.load(
-            Mb + offs_m[:, None].to(tl.int64) * smq + offs_n[None, :] * smk, mask=vis, other=0
+            Mblk
+            + tl.arange(0, q.shape[0])[:, None] * smq
+            + tl.arange(0, k.shape[0])[None, :] * smk,
+            mask=vis,
+            other=0,
         )
         vis = vis & (allowed != 0)
     return s, vis
+
+
+@triton.jit
+def _rows_at(P, start, stride, B: tl.constexpr):
+    # pointers to rows start .. start + B - 1 (B, 1) of a plane with row stride `stride`: the
+    # block offset in int64 on the scalar base (T x stride, T_q x T_k for a dense mask, can pass
+    # 2^31), the in-block offsets in int32 (int64 offsets per element cost registers: spills).
+    return P + tl.cast(start, tl.int64) * stride + tl.arange(0, B)[:, None] * stride
+
+
+@triton.jit
+def _at(P, i, j, si, sj):
+    # scalar pointer to element (i, j) of a plane, in int64
+    return P + tl.cast(i, tl.int64) * si + tl.cast(j, tl.int64) * sj
 
 
 @triton.jit
@@ -222,7 +240,7 @@ def fwd_kernel(
     rmask = offs_m < Tq
     rows = pid_bh * Tq + offs_m
     q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
+        _rows_at(Q + b * sqb + h * sqh, pid_m * BM, sqt, BM) + offs_d[None, :],
         mask=rmask[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
@@ -245,13 +263,14 @@ def fwd_kernel(
             offs_n = start_n + tl.arange(0, BN)
             kmask = offs_n < Tk
             k = tl.load(
-                Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
+                _rows_at(Kb, start_n, skt, BN) + offs_d[None, :],
                 mask=kmask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
             ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
             s, vis = _scores(
-                q, k, cq, ik, offs_m, offs_n, Mb, smq, smk, Tq, Tk, off,
+                q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
+                smq, smk, Tq, Tk, off,
                 CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
             )  # fmt: skip
             z += tl.sum(tl.where(vis, _softplus(s), 0.0), 1)
@@ -270,13 +289,14 @@ def fwd_kernel(
         offs_n = start_n + tl.arange(0, BN)
         kmask = offs_n < Tk
         k = tl.load(
-            Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
+            _rows_at(Kb, start_n, skt, BN) + offs_d[None, :],
             mask=kmask[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
         ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
         s, vis = _scores(
-            q, k, cq, ik, offs_m, offs_n, Mb, smq, smk, Tq, Tk, off,
+            q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
+            smq, smk, Tq, Tk, off,
             CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
         )  # fmt: skip
         a = _softplus(s)
@@ -288,14 +308,14 @@ def fwd_kernel(
         w = tl.where(vis, w, 0.0)
         wsum += tl.sum(w, 1)
         v = tl.load(
-            Vb + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
+            _rows_at(Vb, start_n, svt, BN) + offs_dv[None, :],
             mask=kmask[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
         )
         acc += _dot_lp(w, v, IEEE, UPCAST, SPLIT)
     out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
     tl.store(
-        O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_dv[None, :],
+        _rows_at(O + b * sob + h * soh, pid_m * BM, sot, BM) + offs_dv[None, :],
         out.to(O.dtype.element_ty),
         mask=rmask[:, None] & (offs_dv[None, :] < DV),
     )
@@ -329,14 +349,14 @@ def bwd_rows_kernel(
     rows = pid_bh * Tq + offs_m
     gmask = rmask[:, None] & (offs_dv[None, :] < DV)
     go = tl.load(
-        GO + b * sgb + h * sgh + offs_m[:, None].to(tl.int64) * sgt + offs_dv[None, :],
+        _rows_at(GO + b * sgb + h * sgh, pid_m * BM, sgt, BM) + offs_dv[None, :],
         mask=gmask,
         other=0.0,
     )
     f = tl.zeros((BM,), tl.float32)
     if REWEIGHT:
         q = tl.load(
-            Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
+            _rows_at(Q + b * sqb + h * sqh, pid_m * BM, sqt, BM) + offs_d[None, :],
             mask=rmask[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
@@ -362,18 +382,19 @@ def bwd_rows_kernel(
             offs_n = start_n + tl.arange(0, BN)
             kmask = offs_n < Tk
             k = tl.load(
-                Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
+                _rows_at(Kb, start_n, skt, BN) + offs_d[None, :],
                 mask=kmask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
             ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
             v = tl.load(
-                Vb + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
+                _rows_at(Vb, start_n, svt, BN) + offs_dv[None, :],
                 mask=kmask[:, None] & (offs_dv[None, :] < DV),
                 other=0.0,
             )
             s, vis = _scores(
-                q, k, cq, ik, offs_m, offs_n, Mb, smq, smk, Tq, Tk, off,
+                q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
+                smq, smk, Tq, Tk, off,
                 CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
             )  # fmt: skip
             a = _softplus(s)
@@ -388,7 +409,7 @@ def bwd_rows_kernel(
         f = tl.where(has, p * winv * inv_xmax * (s1 - d * s2), 0.0)
     else:
         o = tl.load(
-            O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_dv[None, :],
+            _rows_at(O + b * sob + h * soh, pid_m * BM, sot, BM) + offs_dv[None, :],
             mask=gmask,
             other=0.0,
         )
@@ -418,12 +439,12 @@ def bwd_dq_kernel(
     rmask = offs_m < Tq
     rows = pid_bh * Tq + offs_m
     q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
+        _rows_at(Q + b * sqb + h * sqh, pid_m * BM, sqt, BM) + offs_d[None, :],
         mask=rmask[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
     go = tl.load(
-        GO + b * sgb + h * sgh + offs_m[:, None].to(tl.int64) * sgt + offs_dv[None, :],
+        _rows_at(GO + b * sgb + h * sgh, pid_m * BM, sgt, BM) + offs_dv[None, :],
         mask=rmask[:, None] & (offs_dv[None, :] < DV),
         other=0.0,
     )
@@ -451,18 +472,19 @@ def bwd_dq_kernel(
         offs_n = start_n + tl.arange(0, BN)
         kmask = offs_n < Tk
         k = tl.load(
-            Kb + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
+            _rows_at(Kb, start_n, skt, BN) + offs_d[None, :],
             mask=kmask[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
         ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
         v = tl.load(
-            Vb + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
+            _rows_at(Vb, start_n, svt, BN) + offs_dv[None, :],
             mask=kmask[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
         )
         s, vis = _scores(
-            q, k, cq, ik, offs_m, offs_n, Mb, smq, smk, Tq, Tk, off,
+            q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
+            smq, smk, Tq, Tk, off,
             CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
         )  # fmt: skip
         a, sig = _softplus_sigmoid(s)
@@ -500,12 +522,12 @@ def bwd_dkdv_kernel(
     offs_dv = tl.arange(0, BDV)
     kmask = offs_n < Tk
     k = tl.load(
-        K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :],
+        _rows_at(K + b * skb + hk * skh, pid_n * BN, skt, BN) + offs_d[None, :],
         mask=kmask[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
     v = tl.load(
-        V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
+        _rows_at(V + b * svb + hk * svh, pid_n * BN, svt, BN) + offs_dv[None, :],
         mask=kmask[:, None] & (offs_dv[None, :] < DV),
         other=0.0,
     )
@@ -526,12 +548,12 @@ def bwd_dkdv_kernel(
             rmask = offs_m < Tq
             rows = bh * Tq + offs_m
             q = tl.load(
-                Qb + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
+                _rows_at(Qb, start_m, sqt, BM) + offs_d[None, :],
                 mask=rmask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
             go = tl.load(
-                GOb + offs_m[:, None].to(tl.int64) * sgt + offs_dv[None, :],
+                _rows_at(GOb, start_m, sgt, BM) + offs_dv[None, :],
                 mask=rmask[:, None] & (offs_dv[None, :] < DV),
                 other=0.0,
             )
@@ -548,7 +570,8 @@ def bwd_dkdv_kernel(
             coef = p * winv * inv_xmax
             fn = tl.where(n > MIN_KEYS, f / tl.maximum(n, 1.0), 0.0)
             s, vis = _scores(
-                q, k, cq, ik, offs_m, offs_n, Mb, smq, smk, Tq, Tk, off,
+                q, k, cq, ik, offs_m, offs_n, _at(Mb, start_m, pid_n * BN, smq, smk),
+                smq, smk, Tq, Tk, off,
                 CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
             )  # fmt: skip
             a, sig = _softplus_sigmoid(s)
@@ -586,39 +609,112 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-def _prune_rows(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list:
-    """Drop row tiles far taller than the query block (decoding, T_q = 1) to save tuning time."""
-    tq = named_args.get("tq_key", kwargs.get("tq_key", 1 << 30))
-    kept = [c for c in configs if c.kwargs["BM"] <= max(16, tq)]
-    return kept or configs[:1]
+# Every config is checked ahead of time by ``python -m lssar.ops.triton.compile_check`` (sm_80 and
+# sm_90: registers, spills, shared memory; tests/test_triton_compile.py); the limits below are
+# set from its measurements, a little inside the first spilling tile of each kernel.
+SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the supported GPUs
+# Live fp32 words per thread (_live_words) above which ptxas spilled, per kernel. Examples:
+# forward at head dim 128, 128x32 tile, 8 warps: 64 + 3 * 16 = 112 words, spills on sm_80;
+# dq at 256, 64x32, 8 warps: 88, spills; dk/dv at 256, 64x32, 8 warps: 152, spills; dk/dv at
+# 128, 32x32, 4 warps: 120, does not.
+REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
+# fp32 inputs multiply on FMA units (IEEE, no tensor cores): each thread then holds a slice of
+# both operands, which spills at any tile above a few score elements per thread (measured: 4 fit
+# at head dim 256, 8 spill). dk/dv's transposed FMA products spill at every tile when software
+# pipelined (num_stages > 1), even 16x16; unpipelined, one score per thread fits at 256.
+FMA_SCORES_PER_THREAD = {"fwd": 4, "rows": 4, "dq": 4, "dkdv": 1}
+
+
+def _live_words(kind: str, bm: int, bn: int, warps: int, bd: int, bdv: int) -> float:
+    """Estimated live fp32 words per thread in a kernel's loop: its fp32 accumulators and ~3
+    score-shaped fp32 tiles (scores, weights, dP / dS); dk/dv also reloads q and dO tiles (two
+    half-precision values per word) every iteration."""
+    threads = 32 * warps
+    acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * (bd + bdv)}[kind]
+    reloaded = bm * (bd + bdv) / 2 if kind == "dkdv" else 0
+    return (acc + reloaded + 3 * bm * bn) / threads
+
+
+def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, esize: int) -> int:
+    """Estimated shared memory per block: the pipelined tiles of the loop (``stages`` copies of
+    k, v; or q, dO for dk/dv) and the resident ones (what sm_90's wgmma reads from shared)."""
+    if kind == "dkdv":
+        return (stages * bm + bn) * (bd + bdv) * esize
+    resident = bm * bd if kind == "fwd" else bm * (bd + bdv)
+    return (stages * bn * (bd + bdv) + resident) * esize
+
+
+def fits(kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool) -> bool:
+    """Whether ``cfg`` is expected to run without register spills within shared memory for a
+    ``kind`` kernel ("fwd", "rows", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
+    fp32 inputs (4-byte tiles, FMA dots)."""
+    bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
+    w, st = cfg.num_warps, cfg.num_stages
+    if _shared_bytes(kind, bm, bn, st, bd, bdv, 4 if ieee else 2) > SHARED_BUDGET:
+        return False
+    if ieee:
+        piped_ok = kind != "dkdv" or st == 1
+        return piped_ok and bm * bn <= FMA_SCORES_PER_THREAD[kind] * 32 * w
+    return _live_words(kind, bm, bn, w, bd, bdv) <= REG_BUDGET[kind]
+
+
+def _pruner(kind: str):
+    """The autotuner's ``early_config_prune`` for a ``kind`` kernel: drops configs that would
+    spill or not fit (:func:`fits`), and row tiles taller than the query block (decoding,
+    ``T_q = 1``: saves tuning time). Never returns an empty list: if nothing fits, the config
+    with the fewest estimated live words."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list:
+        bd, bdv, ieee = kwargs["BD"], kwargs["BDV"], kwargs["IEEE"]
+        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee)]
+        if kind != "dkdv":
+            tq = named_args.get("tq_key", kwargs.get("tq_key", 1 << 30))
+            short = [c for c in kept if c.kwargs["BM"] <= max(16, tq)]
+            kept = short or kept[-1:]
+        if not kept:
+            kw = lambda c: _live_words(kind, c.kwargs["BM"], c.kwargs["BN"], c.num_warps, bd, bdv)  # noqa: E731
+            kept = [min(configs, key=kw)]
+        return kept
+
+    return prune
 
 
 # Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
-# The lists hold, for D = 64 and 128, configurations that ptxas (sm_90a) compiles without
-# register spills, plus a few larger tiles for the autotuner to weigh against them.
+# Large tiles first (the autotuner weighs those that fit at the launch's head dim and dtype),
+# then the small ones that fit at head dim 256 and with fp32 inputs.
 _ROW_CONFIGS = _configs(
     [
-        (128, 64, 8, 3),
-        (128, 64, 8, 2),
         (128, 32, 8, 2),
-        (64, 64, 4, 3),
+        (64, 64, 8, 3),
+        (64, 64, 8, 2),
+        (64, 32, 8, 2),
         (64, 32, 4, 2),
-        (128, 128, 8, 2),
         (16, 64, 4, 2),
+        (16, 32, 4, 2),
+        (16, 16, 4, 2),
     ]
 )
 _COL_CONFIGS = _configs(
     [
-        (32, 128, 8, 2),
         (32, 64, 8, 2),
-        (64, 128, 8, 2),
+        (64, 32, 8, 2),
         (32, 32, 4, 2),
         (64, 32, 4, 2),
-        (16, 64, 4, 2),
+        (32, 32, 8, 2),
+        (16, 32, 8, 2),
+        (16, 32, 4, 2),
+        (16, 16, 4, 2),
+        (16, 16, 8, 1),
     ]
 )
-_PRUNE = {"early_config_prune": _prune_rows}
-fwd_tuned = triton.autotune(_ROW_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(fwd_kernel)
-rows_tuned = triton.autotune(_ROW_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(bwd_rows_kernel)
-dq_tuned = triton.autotune(_ROW_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(bwd_dq_kernel)
-dkdv_tuned = triton.autotune(_COL_CONFIGS, key=_TUNE_KEY)(bwd_dkdv_kernel)
+
+
+def _tuned(kernel, configs: list[triton.Config], kind: str):
+    prune = {"early_config_prune": _pruner(kind)}
+    return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by=prune)(kernel)
+
+
+fwd_tuned = _tuned(fwd_kernel, _ROW_CONFIGS, "fwd")
+rows_tuned = _tuned(bwd_rows_kernel, _ROW_CONFIGS, "rows")
+dq_tuned = _tuned(bwd_dq_kernel, _ROW_CONFIGS, "dq")
+dkdv_tuned = _tuned(bwd_dkdv_kernel, _COL_CONFIGS, "dkdv")
