@@ -614,9 +614,9 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 # set from its measurements, a little inside the first spilling tile of each kernel.
 SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the supported GPUs
 # Live fp32 words per thread (_live_words) above which ptxas spilled, per kernel. Examples:
-# forward at head dim 128, 128x32 tile, 8 warps: 64 + 3 * 16 = 112 words, spills on sm_80;
-# dq at 256, 64x32, 8 warps: 88, spills; dk/dv at 256, 64x32, 8 warps: 152, spills; dk/dv at
-# 128, 32x32, 4 warps: 120, does not.
+# forward at head dim 128: 64x32 tile, 4 warps: 64 + 3 * 16 = 112 words, spills; 64x64, 8 warps:
+# 80, does not; dk/dv at 256, 64x32, 8 warps: 152, spills; at 128, 32x32, 4 warps: 120, does
+# not. Tiles within the limits that spilled anyway are listed in MEASURED_SPILLS.
 REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
 # fp32 inputs multiply on FMA units (IEEE, no tensor cores): each thread then holds a slice of
 # both operands, which spills at any tile above a few score elements per thread (measured: 4 fit
@@ -644,12 +644,38 @@ def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, e
     return (stages * bn * (bd + bdv) + resident) * esize
 
 
+# Tiles inside those limits that ptxas still spilled (a few bytes to a few hundred; it sometimes
+# caps a 256-thread block at 128 registers), per (kernel, padded head dim, fp32 inputs, BM, BN,
+# num_warps, num_stages), measured by compile_check with LSSAR p=15, causal, with and without a
+# mask, on sm_80 and sm_90 (the costliest combination: LSSA and no mask need fewer registers).
+MEASURED_SPILLS = {
+    ("fwd", 64, False, 64, 32, 4, 2),
+    ("fwd", 128, False, 64, 64, 8, 3),
+    ("fwd", 128, False, 16, 64, 4, 2),
+    ("fwd", 256, False, 16, 64, 4, 2),
+    ("rows", 128, False, 128, 32, 8, 2),
+    ("rows", 128, False, 64, 64, 8, 3),
+    ("rows", 128, False, 64, 64, 8, 2),
+    ("rows", 128, False, 64, 32, 8, 2),
+    ("rows", 128, True, 16, 32, 4, 2),
+    ("dq", 128, False, 64, 64, 8, 3),
+    ("dq", 128, False, 64, 64, 8, 2),
+    ("dq", 256, False, 16, 64, 4, 2),
+    ("dkdv", 64, False, 32, 64, 8, 2),
+    ("dkdv", 64, False, 64, 32, 4, 2),
+    ("dkdv", 128, False, 64, 32, 8, 2),
+    ("dkdv", 128, False, 32, 32, 8, 2),
+}
+
+
 def fits(kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool) -> bool:
     """Whether ``cfg`` is expected to run without register spills within shared memory for a
     ``kind`` kernel ("fwd", "rows", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
     fp32 inputs (4-byte tiles, FMA dots)."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
+    if (kind, max(bd, bdv), ieee, bm, bn, w, st) in MEASURED_SPILLS:
+        return False
     if _shared_bytes(kind, bm, bn, st, bd, bdv, 4 if ieee else 2) > SHARED_BUDGET:
         return False
     if ieee:
@@ -681,14 +707,16 @@ def _pruner(kind: str):
 
 # Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
 # Large tiles first (the autotuner weighs those that fit at the launch's head dim and dtype),
-# then the small ones that fit at head dim 256 and with fp32 inputs.
+# then the small ones that fit at head dim 256 and with fp32 inputs. On sm_90 a 64-row tile with
+# 8 warps computes its element-wise work twice (both warpgroups hold the whole tile: twice the
+# MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4 warps come first.
 _ROW_CONFIGS = _configs(
     [
         (128, 32, 8, 2),
+        (64, 32, 4, 2),
         (64, 64, 8, 3),
         (64, 64, 8, 2),
         (64, 32, 8, 2),
-        (64, 32, 4, 2),
         (16, 64, 4, 2),
         (16, 32, 4, 2),
         (16, 16, 4, 2),

@@ -1,0 +1,127 @@
+"""The Triton kernels compiled for real GPUs (sm_80, sm_90) on a machine without one.
+
+The compiles run in a subprocess with ``TRITON_INTERPRET`` removed from its environment: the
+rest of the suite (``tests/conftest.py``) decorates the kernels for the interpreter in this
+process, so this file and ``tests/test_triton_kernels.py`` pass in one run in either order.
+The default run compiles, for each kernel of each case of the reduced grid, the config the
+autotuner may pick that is closest to spilling by the kernels' own estimate, for sm_80 and sm_90
+(48 builds, about 2.5 minutes on 2 busy cores; cached per build under ``$LSSAR_COMPILE_CACHE`` or
+``~/.cache/lssar/compile_check``, so a second run is cheap); ``-m slow`` compiles every config of
+the full grid (hours on 2 cores).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code_or_args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+    return subprocess.run(
+        [sys.executable, *code_or_args], cwd=tmp, env=env, capture_output=True, text=True
+    )
+
+
+def _check(tmp: Path, *flags: str) -> tuple[list[dict], str]:
+    out = tmp / "rows.json"
+    proc = _python(["-m", "lssar.ops.triton.compile_check", *flags, "--json", str(out)], tmp)
+    if not out.exists():
+        pytest.fail(f"compile check crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory) -> tuple[list[dict], str]:
+    return _check(tmp_path_factory.mktemp("cc"), "--grid", "reduced", "--riskiest", "1")
+
+
+def _assert_clean(rows: list[dict], report: str) -> None:
+    from lssar.ops.triton.compile_check import problems
+
+    bad = problems(rows)
+    assert not bad, "\n".join(bad) + "\n\n" + report[-6000:]
+
+
+def test_reduced_grid_covers_every_kernel_and_arch(reduced):
+    rows, _ = reduced
+    assert {r["kernel"] for r in rows} == {"fwd", "rows", "dq", "dkdv"}
+    assert {r["arch"] for r in rows} == {80, 90}
+    assert all(r["kept"] for r in rows)
+
+
+def test_reduced_grid_compiles_within_resources_without_spills(reduced):
+    _assert_clean(*reduced)
+
+
+def test_sm90_half_precision_main_loops_use_wgmma(reduced):
+    # wgmma needs M % 64 == 0: a config whose MMA tiles are all shorter (decoding rows) is exempt;
+    # the LSSA rows kernel has no matrix product at all.
+    rows, _ = reduced
+    checked = 0
+    for r in rows:
+        bm, bn = (int(x) for x in r["config"].split()[0].split("x"))
+        if r["arch"] != 90 or r["dtype"] == "fp32" or max(bm, bn) < 64:
+            continue
+        if r["kernel"] == "rows" and r["variant"] == "lssa":
+            continue
+        checked += 1
+        assert r["hgmma"] > 0, f"{r['case']} {r['kernel']} {r['config']}: no HGMMA"
+    assert checked > 0
+
+
+def test_spilling_config_is_detected(tmp_path):
+    # The check must be able to fail: a tile measured to spill (dq, head dim 128, 64x64, 8 warps,
+    # 3 stages on sm_90: ~200 B) is compiled, flagged by problems() when the autotuner could pick
+    # it, and the autotuner's pruning must not keep it.
+    code = (
+        "import json; from lssar.ops.triton import compile_check as cc\n"
+        "b = [x for x in cc.builds([cc.Case(128, 'bf16', True, 'lssar', False)], (90,))\n"
+        "     if x.kernel == 'dq' and x.config == '64x64 w8 s3']\n"
+        "kept = b[0].kept\n"
+        "b[0].kept = True\n"
+        "rows = cc.run(b, 1)\n"
+        "print(json.dumps({'kept': kept, 'rows': rows, 'problems': cc.problems(rows)}))\n"
+    )
+    proc = _python(["-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    row = res["rows"][0]
+    assert row["ok"] and row["spill_store"] > 0, row
+    assert any("spills" in p for p in res["problems"])
+    assert not res["kept"], "the autotuner may pick a config that spills"
+
+
+def test_problems_flags_errors_and_shared_memory():
+    from lssar.ops.triton.compile_check import problems
+
+    base = {"case": "c", "kernel": "dq", "config": "128x128 w8 s2", "arch": 80, "kept": True}
+    ok = {
+        **base,
+        "ok": True,
+        "shared": 1000,
+        "shared_limit": 2000,
+        "spill_store": 0,
+        "spill_load": 0,
+    }
+    assert problems([ok]) == []
+    assert "shared memory" in problems([{**ok, "shared": 3000}])[0]
+    assert problems([{**ok, "shared": 3000, "kept": False}]) == []  # the autotuner never runs it
+    assert "does not compile" in problems([{**base, "ok": False, "error": "x"}])[0]
+
+
+@pytest.mark.slow
+def test_full_grid_every_config(tmp_path):
+    # every config (kept or not) compiles; the kept ones fit and do not spill
+    rows, report = _check(tmp_path, "--grid", "full")
+    assert all(r["ok"] for r in rows), report[-6000:]
+    _assert_clean(rows, report)
