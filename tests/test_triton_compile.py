@@ -119,6 +119,25 @@ def test_problems_flags_errors_and_shared_memory():
     assert "does not compile" in problems([{**base, "ok": False, "error": "x"}])[0]
 
 
+@pytest.mark.parametrize("ieee", [False, True])
+@pytest.mark.parametrize("bd", [16, 32, 64, 128, 256])
+def test_pruning_keeps_a_config_and_drops_measured_spills(bd, ieee):
+    from lssar.ops.triton import kernels as K
+
+    lists = {"fwd": K._ROW_CONFIGS, "rows": K._ROW_CONFIGS, "dq": K._ROW_CONFIGS}
+    lists["dkdv"] = K._COL_CONFIGS
+    for kind, configs in lists.items():
+        for tq in (1, 1024):
+            kept = K._pruner(kind)(configs, {"tq_key": tq}, BD=bd, BDV=bd, IEEE=ieee)
+            assert kept, (kind, bd, ieee)
+            for c in kept:
+                key = (kind, bd, ieee, c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages)
+                assert key not in K.MEASURED_SPILLS, key
+                assert K.fits(kind, c, bd, bd, ieee), key
+                if kind != "dkdv" and tq == 1:
+                    assert c.kwargs["BM"] == 16  # decoding: no taller row tiles to tune
+
+
 @pytest.mark.slow
 def test_full_grid_every_config(tmp_path):
     # every config (kept or not) compiles; the kept ones fit and do not spill
