@@ -619,10 +619,11 @@ SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the sup
 # not. Tiles within the limits that spilled anyway are listed in MEASURED_SPILLS.
 REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
 # fp32 inputs multiply on FMA units (IEEE, no tensor cores): each thread then holds a slice of
-# both operands, which spills at any tile above a few score elements per thread (measured: 4 fit
-# at head dim 256, 8 spill). dk/dv's transposed FMA products spill at every tile when software
-# pipelined (num_stages > 1), even 16x16; unpipelined, one score per thread fits at 256.
-FMA_SCORES_PER_THREAD = {"fwd": 4, "rows": 4, "dq": 4, "dkdv": 1}
+# both operands, which spills at any tile above a few score elements per thread (measured: 2 fit
+# at head dim 256; 4 spill there with a mask, and by 4 B at 128). dk/dv's transposed FMA products
+# spill at every tile when software pipelined (num_stages > 1), even 16x16; unpipelined, one
+# score per thread fits at 256.
+FMA_SCORES_PER_THREAD = {"fwd": 2, "rows": 2, "dq": 2, "dkdv": 1}
 
 
 def _live_words(kind: str, bm: int, bn: int, warps: int, bd: int, bdv: int) -> float:
@@ -646,25 +647,30 @@ def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, e
 
 # Tiles inside those limits that ptxas still spilled (a few bytes to a few hundred; it sometimes
 # caps a 256-thread block at 128 registers), per (kernel, padded head dim, fp32 inputs, BM, BN,
-# num_warps, num_stages), measured by compile_check with LSSAR p=15, causal, with and without a
-# mask, on sm_80 and sm_90 (the costliest combination: LSSA and no mask need fewer registers).
+# num_warps, num_stages), measured by compile_check on sm_80 and sm_90 (LSSAR p=15 and LSSA,
+# causal or not, with and without a mask): the kernels sit near 255 registers at most tiles.
 MEASURED_SPILLS = {
     ("fwd", 64, False, 64, 32, 4, 2),
     ("fwd", 128, False, 64, 64, 8, 3),
     ("fwd", 128, False, 16, 64, 4, 2),
     ("fwd", 256, False, 16, 64, 4, 2),
+    ("fwd", 256, False, 16, 32, 4, 2),
     ("rows", 128, False, 128, 32, 8, 2),
     ("rows", 128, False, 64, 64, 8, 3),
     ("rows", 128, False, 64, 64, 8, 2),
     ("rows", 128, False, 64, 32, 8, 2),
-    ("rows", 128, True, 16, 32, 4, 2),
+    ("dq", 64, False, 64, 64, 8, 3),
+    ("dq", 64, False, 64, 64, 8, 2),
     ("dq", 128, False, 64, 64, 8, 3),
     ("dq", 128, False, 64, 64, 8, 2),
     ("dq", 256, False, 16, 64, 4, 2),
     ("dkdv", 64, False, 32, 64, 8, 2),
     ("dkdv", 64, False, 64, 32, 4, 2),
+    ("dkdv", 64, False, 64, 32, 8, 2),
     ("dkdv", 128, False, 64, 32, 8, 2),
     ("dkdv", 128, False, 32, 32, 8, 2),
+    ("dkdv", 256, False, 32, 32, 8, 2),
+    ("dkdv", 256, False, 16, 16, 4, 2),
 }
 
 
