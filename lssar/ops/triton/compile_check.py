@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ import triton
 
 from lssar.ops.triton import host
 from lssar.ops.triton import kernels as K
+from lssar.ops.triton.sass import loop_counts, opcode_counts, sass
 from lssar.ops.variants import VARIANTS
 
 # Largest shared memory one block may use (opt-in dynamic maximum), bytes.
@@ -264,64 +264,9 @@ def builds(
 
 # ----------------------------------------------------------------------------- compile, measure
 
-_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-# an instruction line of `cuobjdump -sass`: /*0a30*/  @!P0 HGMMA.64x64x16.F32.BF16 ...
-_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+# the ptxas -v log
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
-_BRA_TARGET = re.compile(r"BRA\s+(?:`\()?\s*(0x[0-9a-f]+)")
-
-
-def sass(cubin: bytes) -> list[tuple[int, str, int | None]]:
-    """``(address, opcode with modifiers, branch target or None)`` of every instruction in a cubin
-    (``cuobjdump -sass``)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run(
-            [str(_TOOLS / "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    out = []
-    for line in text.splitlines():
-        m = _SASS_LINE.match(line)
-        if m:
-            tgt = _BRA_TARGET.search(line) if m[2].startswith("BRA") else None
-            out.append((int(m[1], 16), m[2], int(tgt[1], 16) if tgt else None))
-    return out
-
-
-def opcode_counts(instrs: list[tuple[int, str, int | None]]) -> dict[str, int]:
-    """Counts of the instruction classes the report uses (tensor cores, MUFU, local memory)."""
-    ops = [op for _, op, _ in instrs]
-    return {
-        "hgmma": sum(op.startswith("HGMMA") for op in ops),
-        "hmma": sum(op.startswith("HMMA") for op in ops),
-        "ex2": sum(op.startswith("MUFU.EX2") for op in ops),
-        "lg2": sum(op.startswith("MUFU.LG2") for op in ops),
-        "rcp": sum(op.startswith("MUFU.RCP") for op in ops),
-        "local": sum(op.startswith(("STL", "LDL")) for op in ops),
-        "total": sum(op != "NOP" for op in ops),
-    }
-
-
-def innermost_loops(instrs: list[tuple[int, str, int | None]]) -> list[tuple[int, int]]:
-    """Address ranges ``[start, end]`` of the innermost loops: a backward branch closes a loop
-    that starts at its target; a loop containing another loop is not innermost. Triton's
-    software pipelining leaves the steady state of each ``for`` over key / query blocks here."""
-    loops = sorted({(t, a) for a, _, t in instrs if t is not None and t < a})
-    return [
-        (s, e)
-        for s, e in loops
-        if not any((s, e) != (s2, e2) and s <= s2 and e2 <= e for s2, e2 in loops)
-    ]
-
-
-def loop_counts(instrs: list[tuple[int, str, int | None]]) -> dict[str, int]:
-    """:func:`opcode_counts` of the instructions inside the innermost loops (one iteration of
-    each: the static cost of one tile of scores), plus how many such loops there are."""
-    loops = innermost_loops(instrs)
-    body = [i for i in instrs if any(s <= i[0] <= e for s, e in loops)]
-    return {"loops": len(loops), **opcode_counts(body)}
 
 
 def compile_one(module: str, fn_name: str, signature, constexprs, attrs, options, arch) -> dict:
