@@ -334,10 +334,16 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 -> "
         "**contradicted**"
     ) in text
-    assert "16x / 1x**: measured 1.53 ± 0.01 -> **supported** (criterion >= 1.5)" in text
+    assert (
+        "16x / 1x**: measured 1.53 ± 0.01 -> **supported** (criterion >= 1.5; p = 0.0037; "
+        "unchanged by Holm over the 9 declared claims)"
+    ) in text
     assert "lssar p=15 - softmax**: measured -0.600 ± 0.000 -> **supported**" in text
-    # 1.935 vs 1.9: +1.8% (inside +-2%)
-    assert "lssar / softmax - 1**: measured 0.018 ± 0.000 -> **supported**" in text
+    # 1.935 vs 1.9: +1.8% on every seed (inside +-2%): equivalent by TOST
+    assert (
+        "lssar / softmax - 1**: measured 0.018 ± 0.000 -> **supported** (equivalence within "
+        "±2%, TOST; p = 0.00063;"
+    ) in text
     assert (
         "lssa -> lssar p=15 (eval only) - lssa at 16x**: measured -0.100 ± 1.490 -> "
         "**within noise**"
@@ -359,7 +365,8 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         "| re-weighting p=15 on LSSA (trained) | lssar p=15 - lssa | +0.005 ± 0.000 higher |"
         in text
     )
-    assert "## Every arm against softmax" in text and "## Every arm against LSSAR p=15" in text
+    assert "## Every arm against softmax (exploratory)" in text
+    assert "## Every arm against LSSAR p=15 (exploratory)" in text
     assert "Scored tokens per length and seed: 512, in 32 / 16 / 8 / 4 / 2 windows" in text
     # sd 0.01, t(2) = 4.303: 4.303 * .01 / sqrt 3
     assert "| softmax | 3 x 512 | 1.900 ± 0.025 |" in text
@@ -367,6 +374,48 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         assert (tmp_path / "r" / f"{png}.png").stat().st_size > 0
     summary = json.loads((tmp_path / "r" / "results.json").read_text())["summary"]
     assert summary["softmax"]["16"]["n"] == 3
+
+
+def _holm_and_window_results(window_jitter: float):
+    """softmax, its window control and LSSAR p=15, 3 seeds: "LSSAR beats softmax at 16x" has
+    per-seed differences -0.15, -0.20, -0.25 (paired t p = 0.020: supported alone, not after
+    Holm over the 5 declared claims); LSSAR - window at 16x is -0.005 - i * window_jitter."""
+    soft = _arm("softmax", "softmax", [1.9, 2.0, 2.2, 2.5, 2.9])
+    for r, extra in zip(soft, (-0.05, 0.0, 0.05)):
+        r["loss"]["256"] += extra
+    return [
+        *soft,
+        *_arm("softmax", "softmax", [1.9] * 4 + [2.705], window=16, jitter=window_jitter),
+        *_arm("lssar p=15", "lssar p=15", [1.935, 1.94, 1.99, 2.1, 2.7]),
+    ]
+
+
+def test_report_holm_changes_a_verdict_and_ties_only_from_tost(tmp_path, clean_env):
+    text = _report(tmp_path, _holm_and_window_results(0.002))
+    assert (
+        "LSSAR beats softmax at 16x: lssar p=15 - softmax**: measured -0.200 ± 0.124 -> "
+        "**within noise** (criterion < 0; p = 0.02; **Holm changes it** (raw: supported) over "
+        "the 5 declared claims)."
+    ) in text
+    # the flat-loss claim is far beyond its bound: Holm keeps it
+    assert "-> **contradicted** (criterion <= 1.10; p < 0.0001; unchanged by Holm" in text
+    # LSSAR - window: -0.005, -0.007, -0.009 (p = 0.026: below the window only before Holm);
+    # its 90% interval lies inside +-0.02: a tie, by TOST
+    assert (
+        "sliding-window softmax**: measured -0.007 ± 0.005 -> **within noise** (criterion < 0; "
+        "p = 0.026; **Holm changes it** (raw: supported)"
+    ) in text
+    assert (
+        "attending to the last L tokens only does as well: equivalent within ±0.02 loss (TOST, "
+        "90% interval -0.010 .. -0.004)."
+    ) in text
+    # the same mean difference with seeds that disagree: no tie, not separable
+    text = _report(tmp_path, _holm_and_window_results(0.03), name="wide")
+    assert "does as well" not in text
+    assert (
+        "is **not separable at this power** from the window control: lssar p=15 - window = 95% "
+        "interval -0.035 ± 0.075, neither better nor equivalent within ±0.02 loss (TOST)."
+    ) in text
 
 
 def _alternative_results(yarn_16x: float, yarn_jitter: float = 0.0):

@@ -30,7 +30,16 @@ from lssar.studies.lm.presets import (
     SOFTPLUS_L1,
     Preset,
 )
-from lssar.studies.stats import Interval, judge, mean_ci, paired_ci, verdict
+from lssar.studies.stats import (
+    Claim,
+    Interval,
+    judge,
+    judge_claims,
+    mean_ci,
+    paired_ci,
+    tost,
+    verdict,
+)
 
 # The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; METHOD.md section 7),
 # keyed by evaluation length / training length.
@@ -47,6 +56,9 @@ PAPER = {
 }
 
 Seeds = dict[int, float]  # seed -> value
+# Margins of the equivalence tests (TOST), the only way this report says "matches" or "as well"
+LOSS_MARGIN = 0.02  # nats of validation loss
+RELATIVE_MARGIN = 0.02  # of a ratio: ±2%
 WINDOW = "softmax, sliding window"  # label prefix of the window control (label_of adds the size)
 
 
@@ -69,18 +81,30 @@ def _iv(values: Seeds) -> Interval:
     return mean_ci([values[k] for k in sorted(values)])
 
 
-def _diff(a: Seeds, b: Seeds, relative: bool = False) -> Interval:
-    """a - b (or a / b - 1) paired by seed, over the seeds both have."""
+def _pairs(a: Seeds, b: Seeds, relative: bool = False) -> list[float]:
+    """Per-seed ``a - b`` (or ``a / b - 1``), over the seeds both have, in seed order."""
     seeds = sorted(set(a) & set(b))
     if not seeds:
         raise ValueError("no common seed to pair")
+    return [a[s] / b[s] - 1 if relative else a[s] - b[s] for s in seeds]
+
+
+def _diff(a: Seeds, b: Seeds, relative: bool = False) -> Interval:
+    """a - b (or a / b - 1) paired by seed, over the seeds both have."""
     if relative:
-        return mean_ci([a[s] / b[s] - 1 for s in seeds])
+        return mean_ci(_pairs(a, b, relative=True))
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ValueError("no common seed to pair")
     return paired_ci([a[s] for s in seeds], [b[s] for s in seeds])
 
 
+def _ratios(v: dict[int, Seeds], top: int) -> list[float]:
+    return [v[top][s] / v[1][s] for s in sorted(v[1])]
+
+
 def _ratio(v: dict[int, Seeds], top: int) -> Interval:
-    return mean_ci([v[top][s] / v[1][s] for s in sorted(v[1])])
+    return mean_ci(_ratios(v, top))
 
 
 def _fmt(iv: Interval, digits: int = 3, sign: bool = False) -> str:
@@ -117,69 +141,105 @@ def _loss_table(losses, multiples, groups) -> list[str]:
     ]
 
 
-def _claims(losses, multiples) -> list[str]:
-    """The paper's claims, each judged from its 95% interval over seeds (:func:`judge`)."""
+def declared_claims(losses, multiples) -> list[Claim]:
+    """The paper's claims present in ``losses`` (the declared family Holm corrects over), each
+    on its per-seed values: a ratio, or a difference paired by seed."""
     top = max(multiples)
     soft, lssa = losses.get(SOFTMAX.label), losses.get(LSSA.label)
     lssar, qk = losses.get(LSSAR15.label), losses.get(QKNORM.label)
     window = losses.get(_find(losses, WINDOW) or "")
-    below = ({"hi": 0.0}, "criterion < 0", 3)
-    items: list[tuple[str, Interval, tuple[dict[str, float], str, int]]] = []
+    below = dict(criterion="criterion < 0", hi=0.0)
+    out: list[Claim] = []
     if lssar:
         text = f"LSSAR (p=15) loss stays nearly flat to {top}x (paper x1.04): {top}x / 1x"
-        items.append((text, _ratio(lssar, top), ({"hi": 1.10}, "criterion <= 1.10", 2)))
+        out.append(Claim(text, _ratios(lssar, top), "criterion <= 1.10", 2, hi=1.10))
     if soft:
         text = (
             f"Softmax+RoPE degrades sharply beyond the training length (paper x2.20): {top}x / 1x"
         )
-        items.append((text, _ratio(soft, top), ({"lo": 1.5}, "criterion >= 1.5", 2)))
+        out.append(Claim(text, _ratios(soft, top), "criterion >= 1.5", 2, lo=1.5))
     if soft and lssar:
         text = f"LSSAR beats softmax at {top}x: lssar p=15 - softmax"
-        items.append((text, _diff(lssar[top], soft[top]), below))
+        out.append(Claim(text, _pairs(lssar[top], soft[top]), **below))
         text = (
             "LSSAR matches softmax at the training length (paper 3.19 vs 3.19): lssar / softmax - 1"
         )
-        rel = _diff(lssar[1], soft[1], relative=True)
-        items.append((text, rel, ({"lo": -0.02, "hi": 0.02}, "criterion within ±0.02", 3)))
+        crit = f"equivalence within ±{RELATIVE_MARGIN:.0%}, TOST"
+        rel = _pairs(lssar[1], soft[1], relative=True)
+        out.append(Claim(text, rel, crit, margin=RELATIVE_MARGIN))
     if soft and lssa:
         text = (
             "LSSA alone beats softmax beyond the training length (paper 5.94 vs 6.28 at 8x): "
             f"lssa - softmax at {top}x"
         )
-        items.append((text, _diff(lssa[top], soft[top]), below))
+        out.append(Claim(text, _pairs(lssa[top], soft[top]), **below))
     if lssa and lssar:
         text = (
             f"Re-weighting (stage 2) is what makes lengths extrapolate: lssar p=15 - lssa at {top}x"
         )
-        items.append((text, _diff(lssar[top], lssa[top]), below))
+        out.append(Claim(text, _pairs(lssar[top], lssa[top]), **below))
     for label, v in losses.items():
         if label.startswith("lssa -> ") and lssa:
             text = f"Fine-tuning-free re-weighting improves long contexts: {label} - lssa at {top}x"
-            items.append((text, _diff(v[top], lssa[top]), below))
+            out.append(Claim(text, _pairs(v[top], lssa[top]), **below))
     if lssar and qk:
         text = (
-            f"LSSAR beats the strongest baseline (softmax with LSSA's length scale) at {top}x: "
-            "lssar p=15 - softmax-qknorm-logn"
+            f"LSSAR beats the strongest baseline (softmax with LSSA's QK-norm and length scale) "
+            f"at {top}x: lssar p=15 - softmax-qknorm-logn"
         )
-        items.append((text, _diff(lssar[top], qk[top]), below))
+        out.append(Claim(text, _pairs(lssar[top], qk[top]), **below))
     if lssar and window:
         text = (
             f"LSSAR at {top}x does better than a model that sees only the last L tokens: "
             "lssar p=15 - sliding-window softmax"
         )
-        items.append((text, _diff(lssar[top], window[top]), below))
-    out = []
-    for text, iv, (bounds, criterion, digits) in items:
-        v = judge(iv, **bounds)
-        out.append(f"- **{text}**: measured {_fmt(iv, digits)} -> **{v}** ({criterion}).")
-    v = judge(_diff(lssar[top], window[top]), hi=0.0) if lssar and window else "supported"
-    if v != "supported":
-        how = "better" if v == "contradicted" else "as well, within the intervals"
-        out.append(
-            "  So flat loss here does **not** show that LSSAR uses context beyond the training "
-            f"length: attending to the last L tokens only does {how}."
-        )
+        out.append(Claim(text, _pairs(lssar[top], window[top]), **below))
     return out
+
+
+def _claims(losses, multiples) -> list[str]:
+    """The paper's claims, each judged from its 95% interval over seeds (differences paired by
+    seed), then corrected for multiplicity over the declared list (Holm); the window control's
+    consequence said only as far as an equivalence test allows."""
+    claims = declared_claims(losses, multiples)
+    judged = judge_claims(claims)
+    out = []
+    final_of: dict[str, str] = {}
+    for c, (_raw, final, note) in zip(claims, judged):
+        iv = mean_ci(c.values)
+        out.append(
+            f"- **{c.text}**: measured {_fmt(iv, c.digits)} -> **{final}** ({c.criterion}; {note})."
+        )
+        final_of[c.text] = final
+    window_claim = next((c for c in claims if "sliding-window" in c.text), None)
+    if window_claim is not None and final_of[window_claim.text] != "supported":
+        out.append("  " + _window_sentence(window_claim.values, final_of[window_claim.text]))
+    return out
+
+
+def _window_sentence(diffs: list[float], verdict: str) -> str:
+    """What the window control says about "flat loss", from LSSAR - window per seed: *better*
+    only from a (Holm-corrected) contradicted claim, *as well* only from TOST against
+    ±:data:`LOSS_MARGIN`, else not separable, with the interval."""
+    head = (
+        "So flat loss here does **not** show that LSSAR uses context beyond the training "
+        "length: attending to the last L tokens only"
+    )
+    if verdict == "contradicted":
+        return f"{head} does better."
+    eq = tost(diffs, margin=LOSS_MARGIN)
+    if eq.equivalent:
+        return (
+            f"{head} does as well: equivalent within ±{LOSS_MARGIN} loss (TOST, 90% interval "
+            f"{eq.lo:+.3f} .. {eq.hi:+.3f})."
+        )
+    iv = mean_ci(diffs)
+    where = "no interval with one seed" if iv.lo is None else f"95% interval {_fmt(iv, 3, True)}"
+    return (
+        "Whether LSSAR uses context beyond the training length is **not separable at this "
+        f"power** from the window control: lssar p=15 - window = {where}, neither better nor "
+        f"equivalent within ±{LOSS_MARGIN} loss (TOST)."
+    )
 
 
 # (question, a, b): the rows of the decomposition, "a - b" at every length
@@ -212,7 +272,8 @@ def _diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="quest
         "",
         "Each cell: the loss difference a - b paired by seed, mean ± the 95% t-interval's "
         "half-width; **lower** / **higher** when the interval excludes 0 (a is better / worse), "
-        "else *within noise*.",
+        "else *within noise*. Exploratory: not corrected for the many cells, and *within noise* "
+        "is not a tie (only the declared claims' equivalence tests say *matches*).",
     ]
 
 
@@ -450,25 +511,30 @@ def write_report(
         "## The paper's claims, judged from the intervals",
         "",
         f"At this scale ({cfg.get('n_layer', '?')}-layer, {cfg.get('n_embd', '?')}-wide "
-        f"model, {train_len}-token training windows), not at the paper's. A claim is "
-        "*supported* when the 95% interval over seeds (paired by seed for differences) lies "
-        "wholly on its side of the criterion, *contradicted* when it lies wholly on the other "
-        f"side, else *within noise*.{one_seed}",
+        f"model, {train_len}-token training windows), not at the paper's. The claims below are "
+        "the declared family: each is *supported* when the 95% interval over seeds (paired by "
+        "seed for differences) lies wholly on its side of the criterion, *contradicted* when it "
+        "lies wholly on the other side, else *within noise*; then Holm's correction over the "
+        "whole list (on the t-test p-values against each criterion) keeps a verdict only if its "
+        "test is still rejected, and each line says whether Holm changed it. A claim that two "
+        f"arms *match* is supported only by an equivalence test (TOST, margin ±{LOSS_MARGIN} "
+        f"loss or ±{RELATIVE_MARGIN:.0%} of a ratio), else it is *not separable at this power*. "
+        f"Every other table below is exploratory: uncorrected 95% intervals.{one_seed}",
         "",
         *_claims(losses, multiples),
         "",
-        "## What each ingredient does (a - b, paired by seed)",
+        "## What each ingredient does (a - b, paired by seed; exploratory)",
         "",
         *_diff_table(losses, multiples, DECOMPOSITION),
         "",
-        "## Every arm against softmax",
+        "## Every arm against softmax (exploratory)",
         "",
         *_every_arm(losses, multiples, SOFTMAX.label),
         "",
     ]
     if LSSAR15.label in losses:
         lines += [
-            "## Every arm against LSSAR p=15",
+            "## Every arm against LSSAR p=15 (exploratory)",
             "",
             *_every_arm(losses, multiples, LSSAR15.label),
             "",
