@@ -12,6 +12,7 @@ import pytest
 from lssar import data
 from lssar.cli import main as cli_main
 from lssar.data import passkey
+from lssar.spec import AttentionSpec
 from lssar.studies.lm import evaluate, presets, reproduce
 from lssar.studies.lm import report as reproduce_report
 from lssar.train import train
@@ -323,10 +324,18 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         *_arm("lssa", "lssar p=15", [2.43, 2.8, 3.1, 3.3, 3.5], jitter=-0.6),
         *_arm("lssar p=15", "lssar p=15", [1.935, 1.94, 1.99, 2.1, 2.3]),
         *_arm("softmax-qknorm-logn", "softmax-qknorm-logn", [1.9, 1.91, 1.99, 2.12, 2.3]),
+        # the decomposition arm with the scale frozen at the training length (16)
+        *_arm("softmax-qknorm-const n=16", "softmax-qknorm-const n=16", [1.9, 2.0, 2.1, 2.2, 2.3]),
     ]
     text = _report(tmp_path, results)
     assert text.startswith("# lssar reproduce --preset cpu\n\nBuilt from committed code")
-    assert "Training runs at commit aaaaaaaaaa (12 runs)" in text  # windows/eval-only reuse runs
+    assert "Training runs at commit aaaaaaaaaa (15 runs)" in text  # windows/eval-only reuse runs
+    # each decomposition row names what differs; the constant-scale arm is found with its n
+    assert (
+        "| + ln N scale given QK-norm (ln N_i instead of the fixed ln L) | softmax-qknorm-logn - "
+        "softmax-qknorm-const n=16 | +0.000 ± 0.000 within noise | -0.090 ± 0.000 lower |"
+    ) in text
+    assert "| + QK-norm and ln N scale (two changes) | softmax-qknorm-logn - softmax |" in text
     assert "evaluations at bbbbbbbbbb; this report at cccccccccc." in text
     assert '"argv": [\n  "lssar",\n  "reproduce"\n ]' in text  # its own invocation's environment
     # flat: 2.3 / 1.935 = 1.19 on every seed (same shift) -> tight interval above 1.10
@@ -362,7 +371,7 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         "| LSSAR vs the sliding-window control | lssar p=15 - softmax, sliding window 16 |" in text
     )
     assert (
-        "| re-weighting p=15 on LSSA (trained) | lssar p=15 - lssa | +0.005 ± 0.000 higher |"
+        "| + re-weighting p=15 on LSSA (trained) | lssar p=15 - lssa | +0.005 ± 0.000 higher |"
         in text
     )
     assert "## Every arm against softmax (exploratory)" in text
@@ -502,8 +511,9 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
 
 
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
-    """Train 5 arms x 2 seeds (softmax, lssa, lssar p=15, and the alternatives ALiBi and
-    LSSAR without positions), evaluate with the window control, an eval-time p, YaRN at the
+    """Train 6 arms x 2 seeds (softmax, lssa, lssar p=15, the alternatives ALiBi and LSSAR
+    without positions, and the decomposition's QK-norm softmax with its scale fixed at the
+    training length), evaluate with the window control, an eval-time p, YaRN at the
     length multiple and passkey, write the report; a second invocation reuses every run and
     evaluation."""
     tiny = presets.Preset(
@@ -517,6 +527,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
             "softmax + alibi",
             "lssar p=15 + nope",
             "softmax -> yarn auto",
+            "softmax-qknorm-const",
         ],
         seeds=[0, 1],
         multiples=[1, 2],
@@ -543,10 +554,17 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
         "softmax + alibi",
         "lssar p=15 + nope",
         "softmax -> yarn auto (eval only)",
+        "softmax-qknorm-const n=96",  # n set to this run's training length, 96
     ):
         assert f"| {label} | 2 x 192 |" in text, label
+    assert (
+        "| + QK-norm, scale fixed at ln d ln L (two changes: norm and scale) | "
+        "softmax-qknorm-const n=96 - softmax |"
+    ) in text
+    const = load_run(tmp_path / "runs" / "tiny-cpu-softmax-qknorm-const-s1")[0]
+    assert const.attn_spec == AttentionSpec("softmax-qknorm-const", {"n": 96})
     assert "## Passkey retrieval" in text and "| softmax | " in text.split("## Passkey")[1]
-    assert "(10 runs)" in text and "## Provenance" in text
+    assert "(12 runs)" in text and "## Provenance" in text
     assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_window96` |" in text  # where it lives
     assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_yarn_auto` |" in text  # on softmax's run
     assert "| `tiny-cpu-softmax-alibi-s1/eval/tiny/softmax` |" in text
@@ -555,7 +573,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     assert "| YaRN on softmax+RoPE | lssar p=15 - softmax -> yarn auto (eval only) |" in text
     assert "Lowest mean loss at 2x among lssar p=15, softmax, softmax + alibi" in alternatives
     results = json.loads((out / "results.json").read_text())["results"]
-    assert len(results) == 16 and all(r["eval_version"] for r in results)
+    assert len(results) == 18 and all(r["eval_version"] for r in results)
     assert sum("passkey" in r for r in results) == 2  # the passkey arm (softmax), 2 seeds
     # YaRN at factor auto is the softmax model itself at 1x
     by = {(Path(r["run"]).name, r["tag"]): r for r in results}
@@ -565,7 +583,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     )
     assert yarn["loss"]["96"] == soft["loss"]["96"] and yarn["loss"]["192"] != soft["loss"]["192"]
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
-    assert len(stamps) == 16  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
+    assert len(stamps) == 18  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
     assert all(p.parent.parent.name == "tiny" for p in stamps)
     again = reproduce.reproduce("tiny", overrides=overrides, **kw)
     assert (again / "REPORT.md").exists()
@@ -607,7 +625,10 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
 
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     assert cli_main(["reproduce", "--preset", "huge"]) == 2
-    assert "choose from quick, cpu, cpu-baselines, paper" in capsys.readouterr().err
+    assert (
+        "choose from quick, cpu, cpu-baselines, cpu-decomposition, cpu-paper-regime, paper"
+        in capsys.readouterr().err
+    )
     assert cli_main(["reproduce", "--preset", "paper"]) == 0
     plan = capsys.readouterr().out
     assert plan.count("torchrun --standalone --nproc_per_node=8 -m lssar train") == 9

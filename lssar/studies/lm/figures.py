@@ -8,6 +8,7 @@ pointwise dash-dot, Softplus-l1 dashed, eval-time switches dotted), the mean ove
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ COLOURS = {
     "lssa": "#2ca02c",
     "lssar p=3": "#e377c2",
     "lssar p=15": "#d62728",
+    # the decomposition (issue #25); constant-scale labels carry their n, dropped for the colour
+    "softmax-qknorm-const": "#c5b0d5",
+    "softmax-qknorm-learned": "#5254a3",
+    "lssa-const": "#98df8a",
+    "softmax-qknorm-logn p=15": "#843c39",
     "lssa -> lssar p=1 (eval only)": "#b7e4a7",
     "lssa -> lssar p=3 (eval only)": "#74c476",
     "lssa -> lssar p=8 (eval only)": "#31a354",
@@ -60,6 +66,7 @@ def label_of(r: Result) -> str:
 def style(label: str) -> dict[str, str]:
     """Matplotlib ``color`` and ``ls`` of an arm, the same in every figure."""
     key = label.split(" window")[0] + " window" if ", sliding window" in label else label
+    key = re.sub(r" n=\d+", "", key)  # a constant-scale arm's length: one colour at any L
     colour = COLOURS.get(key) or _SPARE[zlib.crc32(label.encode()) % len(_SPARE)]
     if "(eval only)" in label:
         ls = ":"

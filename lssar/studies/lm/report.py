@@ -21,9 +21,13 @@ from lssar.studies.lm.figures import group, plot_results
 from lssar.studies.lm.presets import (
     ALTERNATIVES,
     LSSA,
+    LSSA_CONST,
     LSSAR3,
     LSSAR15,
+    QK_CONST,
+    QK_LEARNED,
     QKNORM,
+    QKNORM15,
     RELU,
     SIGMOID,
     SOFTMAX,
@@ -242,16 +246,56 @@ def _window_sentence(diffs: list[float], verdict: str) -> str:
     )
 
 
-# (question, a, b): the rows of the decomposition, "a - b" at every length
+# (question, a, b): the rows of the decomposition, "a - b" at every length; each row changes one
+# thing unless its question says otherwise. The constant-scale arms' labels carry their n
+# ("softmax-qknorm-const n=128"), found by :func:`_lookup`.
 DECOMPOSITION = [
-    ("length scale alone (softmax with the same scale as LSSA)", QKNORM.label, SOFTMAX.label),
-    ("Softplus-l1 instead of softmax, no length scale", SOFTPLUS_L1.label, SOFTMAX.label),
-    ("Softplus-l1 instead of softmax, given the length scale", LSSA.label, QKNORM.label),
-    ("re-weighting p=15 on LSSA (trained)", LSSAR15.label, LSSA.label),
-    ("re-weighting p=3 on LSSA (trained)", LSSAR3.label, LSSA.label),
-    ("LSSAR vs the strongest baseline", LSSAR15.label, QKNORM.label),
+    ("+ QK-norm and ln N scale (two changes)", QKNORM.label, SOFTMAX.label),
+    (
+        "+ QK-norm, scale fixed at ln d ln L (two changes: norm and scale)",
+        QK_CONST.label,
+        SOFTMAX.label,
+    ),
+    ("+ ln N scale given QK-norm (ln N_i instead of the fixed ln L)", QKNORM.label, QK_CONST.label),
+    (
+        "learned per-head scale instead of the fixed one, given QK-norm",
+        QK_LEARNED.label,
+        QK_CONST.label,
+    ),
+    ("+ ln N scale vs a learned per-head scale, given QK-norm", QKNORM.label, QK_LEARNED.label),
+    (
+        "Softplus-l1 instead of softmax, no QK-norm, no length scale",
+        SOFTPLUS_L1.label,
+        SOFTMAX.label,
+    ),
+    (
+        "Softplus-l1 instead of softmax, given QK-norm and the fixed scale",
+        LSSA_CONST.label,
+        QK_CONST.label,
+    ),
+    ("Softplus-l1 instead of softmax, given QK-norm and ln N", LSSA.label, QKNORM.label),
+    ("+ ln N scale given QK-norm and Softplus-l1", LSSA.label, LSSA_CONST.label),
+    ("+ re-weighting p=15 on LSSA (trained)", LSSAR15.label, LSSA.label),
+    ("+ re-weighting p=3 on LSSA (trained)", LSSAR3.label, LSSA.label),
+    ("+ re-weighting p=15 on softmax-qknorm-logn (trained)", QKNORM15.label, QKNORM.label),
+    ("Softplus-l1 instead of softmax, given QK-norm, ln N and p=15", LSSAR15.label, QKNORM15.label),
+    (
+        "LSSAR vs the strongest baseline (two changes: Softplus-l1, p=15)",
+        LSSAR15.label,
+        QKNORM.label,
+    ),
     ("LSSAR vs the sliding-window control", LSSAR15.label, WINDOW),
 ]
+
+
+def _lookup(losses: dict[str, Any], key: str) -> str | None:
+    """The result label of ``key``: itself, the window control's (``WINDOW``: its size added),
+    or a constant-scale arm's with its ``n`` (``"lssa-const"`` -> ``"lssa-const n=128"``)."""
+    if key in losses:
+        return key
+    if key == WINDOW:
+        return _find(losses, WINDOW)
+    return _find(losses, f"{key} n=")
 
 
 def _diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="question") -> list[str]:
@@ -260,8 +304,8 @@ def _diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="quest
         "|---" * (len(multiples) + 2) + "|",
     ]
     for question, a, b in rows:
-        a, b = _find(losses, a) if a == WINDOW else a, _find(losses, b) if b == WINDOW else b
-        if a not in losses or b not in losses:
+        a, b = _lookup(losses, a), _lookup(losses, b)
+        if a is None or b is None:
             continue
         cells = []
         for m in multiples:

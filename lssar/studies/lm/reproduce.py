@@ -16,10 +16,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lssar.ops.registry import get_variant
+from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, run_units, units_by_run
 from lssar.studies.lm.evaluate import evaluate_run
 from lssar.studies.lm.presets import ARMS, PRESETS, Preset
 from lssar.studies.lm.report import write_report
+
+
+def at_training_length(spec: AttentionSpec, seq_len: int) -> AttentionSpec:
+    """``spec`` with ``n`` = the training length for a constant-scale variant that does not set
+    it (softmax-qknorm-const / -learned, lssa-const: LSSA's scale frozen at ln d ln L); any
+    other spec unchanged."""
+    if "n" in get_variant(spec.name).options and "n" not in spec.options:
+        return AttentionSpec(spec.name, {**spec.options, "n": seq_len}, spec.impl)
+    return spec
 
 
 def _run_name(preset: str, arm: Arm, seed: int) -> str:
@@ -31,6 +42,9 @@ def _run_name(preset: str, arm: Arm, seed: int) -> str:
 
 def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
     """The torchrun and eval commands of the paper preset (one line each, one per run)."""
+    from lssar.train.config import load_config
+
+    paper_len = load_config(preset.train_preset, {}).seq_len
     cmds: list[str] = []
     seen: set[str] = set()
     for a in preset.arms:
@@ -38,8 +52,10 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
         if name in seen:  # a run two arms share (softmax and its window control)
             continue
         seen.add(name)
-        p = arm.attention.to_train()["attn_p"]
+        train = at_training_length(arm.attention, paper_len).to_train()
+        p, n = train["attn_p"], train.get("attn_n")
         flags = f"--attn={arm.attention.name}" + ("" if p is None else f" --attn_p={p:g}")
+        flags += "" if n is None else f" --attn_n={n}"
         flags += "" if arm.pos == "rope" else f" --pos={arm.pos}"
         cmds.append(
             f"torchrun --standalone --nproc_per_node=8 -m lssar train --preset "
@@ -101,10 +117,11 @@ def _train_and_evaluate(
     from lssar.train.config import load_config, parse_overrides
 
     preset, arm = PRESETS[preset_name], ARMS[arm_names[0]]
+    seq_len = load_config(preset.train_preset, parse_overrides(overrides)).seq_len
     cfg = load_config(
         preset.train_preset,
         {
-            **arm.attention.to_train(),
+            **at_training_length(arm.attention, seq_len).to_train(),
             "pos": arm.pos,
             "seed": seed,
             "out_dir": str(runs_dir),
