@@ -14,6 +14,7 @@ from lssar.cli import main as cli_main
 from lssar.data import passkey
 from lssar.spec import AttentionSpec
 from lssar.studies.lm import evaluate, presets, reproduce
+from lssar.studies.lm import passkey as pk
 from lssar.studies.lm import report as reproduce_report
 from lssar.train import train
 from lssar.train.config import load_config
@@ -227,7 +228,7 @@ def test_bad_input(runs, tmp_path, capsys):
         evaluate.evaluate_run(runs["softmax"], [1, 16], eval_tokens=10**7, progress=False)
     with pytest.raises(ValueError, match="too short for a passkey probe"):
         evaluate.evaluate_run(
-            runs["softmax"], [1], eval_tokens=64, passkey=evaluate.PasskeySettings(), progress=False
+            runs["softmax"], [1], eval_tokens=64, passkey=pk.PasskeySettings(), progress=False
         )
     assert cli_main(["eval", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -250,20 +251,51 @@ def test_passkey_probe_construction_and_scoring(runs):
     text = tok.decode(ids)
     assert len(ids) == 200 and text.endswith(passkey.QUESTION + "48213")
     assert "The pass key is 48213." in text and tok.decode(ids[answer:]) == "48213"
+    # the same probe from the same rng, and where its key sits (here: the space before it)
+    again, answer2, key_at = passkey.passkey_sample_at(
+        tok, filler, 200, 0.5, "48213", np.random.default_rng(0)
+    )
+    assert (again, answer2) == (ids, answer) and tok.decode(ids[key_at : key_at + 6]) == " 48213"
     model, _, _ = load_run(runs["softmax"])
-    few = evaluate.PasskeySettings(max_steps=3, check_every=2, batch_size=2)
-    tuned, fit = evaluate.passkey_finetune(model, tok, filler, 96, few, progress=False)
+    few = pk.PasskeySettings(steps=3, warmup_steps=1, batch_size=2)
+    tuned, fit = pk.passkey_finetune(model, tok, filler, 96, few, progress=False)
     assert fit["steps"] == 3 and fit["reached"] == (fit["check_accuracy"] >= 0.9)
-    acc = evaluate.passkey_accuracy(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2)
+    # a fixed budget: every step runs even when the target (0 here) is met from the start
+    met = pk.PasskeySettings(steps=4, warmup_steps=2, target=0.0, batch_size=2)
+    _, fit = pk.passkey_finetune(model, tok, filler, 96, met, progress=False)
+    assert fit["steps"] == 4 and fit["reached"]
+    scores = pk.passkey_scores(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2, train_len=96)
+    acc, split = scores["accuracy"], scores["by_distance"]
     assert set(acc) == {"96", "192"} and set(acc["96"]) == {"0.1", "0.9"}
     assert all(0.0 <= a <= 1.0 for row in acc.values() for a in row.values())
-    # it stops at the first check that reaches the target (target 0: the first check)
-    first_check = evaluate.PasskeySettings(max_steps=50, target=0.0, check_every=2, batch_size=2)
-    _, fit = evaluate.passkey_finetune(model, tok, filler, 96, first_check, progress=False)
-    assert fit == {"steps": 2, "check_accuracy": fit["check_accuracy"], "reached": True}
-    x, starts = evaluate._passkey_batch(tok, filler, 96, 3, rng, digits=2)
+    assert acc == pk.passkey_accuracy(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2)
+    # at 1x every key is within L; at 2x depth 0.1 puts it ~160 tokens back (beyond 96), depth
+    # 0.9 ~70 (within): the buckets hold exactly those probes and their hits
+    assert split["96"] == {"within": {"hits": round(2 * sum(acc["96"].values())), "n": 4},
+                           "beyond": {"hits": 0, "n": 0}}  # fmt: skip
+    assert split["192"]["within"] == {"hits": round(2 * acc["192"]["0.9"]), "n": 2}
+    assert split["192"]["beyond"] == {"hits": round(2 * acc["192"]["0.1"]), "n": 2}
+    x, starts, keys = pk._passkey_batch(tok, filler, 96, 3, rng, digits=2)
     for row, a in zip(x, starts):
         assert len(tok.decode(row[a:].tolist())) == 2 and tok.decode(row[a:].tolist()).isdigit()
+
+
+def test_passkey_chance_and_schedule():
+    """One-digit keys are 1-9: chance 1/9, not 1/10; the learning rate warms up, then decays."""
+    tok = data.get_tokenizer("byte")
+    filler = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 40, dtype=np.uint8)
+    x, starts, _ = pk._passkey_batch(tok, filler, 80, 200, np.random.default_rng(0), digits=1)
+    keys = {tok.decode(row[a:].tolist()) for row, a in zip(x, starts)}
+    assert keys == {str(k) for k in range(1, 10)}
+    assert pk.PasskeySettings(digits=1).chance == pytest.approx(1 / 9)
+    assert pk.PasskeySettings(digits=3).chance == pytest.approx(1 / 900)
+    s = pk.PasskeySettings(steps=100, warmup_steps=10, lr=1e-3)
+    lrs = [s.lr_at(i) for i in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10])) and max(lrs) == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] > 1e-4 > lrs[-1] - 1e-5
+    with pytest.raises(ValueError, match="warmup_steps <= steps"):
+        pk.PasskeySettings(steps=5, warmup_steps=6)
 
 
 def _fake(train, evaluated, losses, seed=0, window=None, dirty=False, train_len=16):
@@ -487,26 +519,57 @@ def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, c
 
 
 def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
-    def with_passkey(r, acc1, acc_long, reached):
+    def with_passkey(r, acc1, acc_long, near=1.0):
+        """1x: every probe within L; 2x: 20 probes, 10 within (``near``), 10 beyond."""
         acc = {"16": {"0.5": acc1}, "32": {"0.5": acc_long}}
+        split = {
+            "16": {"within": {"hits": round(20 * acc1), "n": 20}, "beyond": {"hits": 0, "n": 0}},
+            "32": {
+                "within": {"hits": round(10 * near), "n": 10},
+                "beyond": {"hits": round(20 * acc_long - 10 * near), "n": 10},
+            },
+        }
         return r | {
-            "passkey": {"steps": 100, "check_accuracy": acc1, "reached": reached, "accuracy": acc}
+            "passkey": {
+                "steps": 600,
+                "check_accuracy": acc1,
+                "reached": acc1 >= 0.9,
+                "accuracy": acc,
+                "by_distance": split,
+            }
         }
 
-    soft = [with_passkey(r, 1.0, 0.0, True) for r in _arm("softmax", "softmax", [2] * 5)]
+    soft = [with_passkey(r, 1.0, 0.5) for r in _arm("softmax", "softmax", [2] * 5)]
+    window = [
+        with_passkey(r, 1.0, 0.5 + 0.05 * (i == 1))
+        for i, r in enumerate(_arm("softmax", "softmax", [2] * 5, window=16))
+    ]
     good = [
-        with_passkey(r, 1.0, 0.9 + 0.01 * i, True)
+        with_passkey(r, 1.0, 0.9 + 0.05 * (i == 1))
         for i, r in enumerate(_arm("lssar p=15", "lssar p=15", [2] * 5))
     ]
-    bad = [with_passkey(r, 0.5, 0.4, False) for r in _arm("lssa", "lssa", [2] * 5)]
-    preset = presets.Preset(
-        "t", "tiny-cpu", ["softmax"], multiples=[1, 2], passkey=evaluate.PasskeySettings()
-    )
-    out = reproduce_report.write_report("cpu", preset, soft + good + bad, tmp_path / "p", 1.0)
+    bad = [with_passkey(r, 0.5, 0.4, near=0.5) for r in _arm("lssa", "lssa", [2] * 5)]
+    settings = pk.PasskeySettings(steps=600, warmup_steps=60, digits=1)
+    preset = presets.Preset("t", "tiny-cpu", ["softmax"], multiples=[1, 2], passkey=settings)
+    results = soft + window + good + bad
+    out = reproduce_report.write_report("cpu", preset, results, tmp_path / "p", 1.0)
     text = (out / "REPORT.md").read_text()
-    assert "| lssar p=15 | 100 | 3/3 | 100.0 ± 0.0% | 91.0 ± 2.5% |" in text
-    assert "- lssar p=15 vs softmax at 2x: **supported**" in text
-    assert "- lssa vs softmax at 2x: **inconclusive (not learned at the training length)**" in text
+    assert "A 1-digit key (chance 11.1%: the first digit is 1-9)" in text
+    assert "for the same 600 steps (60 of warmup" in text and "no early stop" in text
+    assert "| lssar p=15 | 3/3 | 100.0 ± 0.0% | 91.7 ± 7.2% |" in text
+    assert "| lssa | 0/3 | 50.0 ± 0.0% | 40.0 ± 0.0% |" in text
+    # beyond L: softmax 0/10 on every seed, lssar p=15 8, 9, 8 of 10
+    assert "| lssar p=15 | 100.0 ± 0.0% (n=10) | 83.3 ± 14.3% (n=10) |" in text
+    assert "| softmax | 100.0 ± 0.0% (n=10) | 0.0 ± 0.0% (n=10) |" in text
+    assert "- lssar p=15 vs softmax at 2x, key beyond L: **supported**" in text
+    assert (
+        "- lssa vs softmax at 2x, key beyond L: **inconclusive (not learned at the training "
+        "length)**"
+    ) in text
+    # the window control (0, 1, 0 of 10 beyond) is an arm of the passkey table, and every arm is
+    # also compared with it
+    assert "| softmax, sliding window 16 | 100.0 ± 0.0% (n=10) | 3.3 ± 14.3% (n=10) |" in text
+    assert "- lssar p=15 vs the window control at 2x, key beyond L: **supported**" in text
     assert (tmp_path / "p" / "passkey.png").stat().st_size > 0
 
 
@@ -532,8 +595,8 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
         seeds=[0, 1],
         multiples=[1, 2],
         eval_tokens=192,
-        passkey=evaluate.PasskeySettings(max_steps=2, check_every=1, trials=1, digits=1),
-        passkey_arms=["softmax"],
+        passkey=pk.PasskeySettings(steps=2, warmup_steps=1, trials=1, digits=1),
+        passkey_arms=["softmax", "window"],
     )
     monkeypatch.setitem(presets.PRESETS, "tiny", tiny)
     lssa = dataclasses.replace(presets.ARMS["lssa"], evals=(presets.LSSAR15,))  # one eval-only p
@@ -574,7 +637,8 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     assert "Lowest mean loss at 2x among lssar p=15, softmax, softmax + alibi" in alternatives
     results = json.loads((out / "results.json").read_text())["results"]
     assert len(results) == 18 and all(r["eval_version"] for r in results)
-    assert sum("passkey" in r for r in results) == 2  # the passkey arm (softmax), 2 seeds
+    assert sum("passkey" in r for r in results) == 4  # softmax and its window control, 2 seeds
+    assert "| softmax, sliding window 96 | " in text.split("### By distance from the question")[1]
     # YaRN at factor auto is the softmax model itself at 1x
     by = {(Path(r["run"]).name, r["tag"]): r for r in results}
     yarn, soft = (

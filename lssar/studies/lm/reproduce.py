@@ -68,9 +68,9 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
 def evaluate_arm(
     preset_name: str, arm: Arm, run: Path, train_len: int, progress: bool = True
 ) -> list[dict[str, Any]]:
-    """The evaluations of one trained run for ``arm``: its own rule (with passkey if ``arm`` is
-    one of the preset's passkey arms), or the sliding window of the training length for the
-    window control (none for an arm of eval-only rules), then the arm's eval-only rules (the
+    """The evaluations of one trained run for ``arm``: its own rule, or the sliding window of
+    the training length for the window control (with passkey if ``arm`` is one of the preset's
+    passkey arms; none for an arm of eval-only rules), then the arm's eval-only rules (the
     paper's fine-tuning-free re-weighting, the RoPE scalings). They go to
     ``RUN/eval/<folder>/`` (the preset's name unless it shares another's): presets that share a
     training run (quick and cpu) keep their own evaluations."""
@@ -83,10 +83,11 @@ def evaluate_arm(
     )
     pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
     out = []
+    passkey = preset.passkey if arm.name in pk_arms else None
     if arm.window:
-        out = [evaluate_run(run, window=train_len, **kw)]
+        out = [evaluate_run(run, window=train_len, passkey=passkey, **kw)]
     elif arm.own_rule:
-        out = [evaluate_run(run, passkey=preset.passkey if arm.name in pk_arms else None, **kw)]
+        out = [evaluate_run(run, passkey=passkey, **kw)]
     for rule in arm.evals:
         a, r = rule.attention, rule.rope
         out.append(
