@@ -79,6 +79,17 @@ def test_evaluate_run_writes_results_and_reuses_them(runs):
     # uniform attention over 1..256 causal keys: mean ln N and mean 1/N
     assert d["uniform_entropy"] == pytest.approx(np.mean(np.log(np.arange(1, 257))))
     assert d["uniform_sink"] == pytest.approx(np.mean(1 / np.arange(1, 257)))
+    # the rows past the training length (16) alone: N_i = 17..256; none at 1x
+    assert len(d["entropy_beyond"]) == 2 and all(0 <= s <= 1 for s in d["sink_beyond"])
+    assert d["uniform_entropy_beyond"] == pytest.approx(np.mean(np.log(np.arange(17, 257))))
+    assert d["uniform_sink_beyond"] == pytest.approx(np.mean(1 / np.arange(17, 257)))
+    assert r["diagnostics"]["16"]["entropy_beyond"] is None
+    # the profile along the window: 16 bins of 16 rows, the first one's uniform entropy ln 1..16
+    assert d["row_bins"][:2] == [[0, 16], [16, 32]] and len(d["entropy_by_row"]) == 16
+    assert d["uniform_entropy_by_row"][0] == pytest.approx(np.mean(np.log(np.arange(1, 17))))
+    # the row mean is the mean of the profile (equal bins), beyond L the mean of bins 2..16
+    assert np.mean(d["entropy"]) == pytest.approx(np.mean(d["entropy_by_row"]))
+    assert np.mean(d["entropy_beyond"]) == pytest.approx(np.mean(d["entropy_by_row"][1:]))
     # provenance: the run's environment and this evaluation's, and the evaluation code's version
     assert r["env"]["git_sha"] == r["eval_env"]["git_sha"] and "git_dirty" in r["eval_env"]
     assert r["eval_version"] == evaluate.eval_code_version() and len(r["eval_version"]) == 12
@@ -151,6 +162,12 @@ def test_uniform_attention_matches_the_uniform_baseline(runs):
             assert d[t]["windows"] == 3
             assert np.allclose(d[t]["entropy"], d[t]["uniform_entropy"], atol=1e-5)
             assert np.allclose(d[t]["sink"], d[t]["uniform_sink"], atol=1e-6)
+            by_row = d[t]["entropy_by_row"], d[t]["uniform_entropy_by_row"]
+            assert np.allclose(*by_row, atol=1e-5)
+            assert np.allclose(d[t]["sink_by_row"], d[t]["uniform_sink_by_row"], atol=1e-6)
+        far = d["48"]
+        assert np.allclose(far["entropy_beyond"], far["uniform_entropy_beyond"], atol=1e-5)
+        assert np.allclose(far["sink_beyond"], far["uniform_sink_beyond"], atol=1e-6)
     assert d["48"]["uniform_entropy"] == pytest.approx(
         np.mean(np.log(np.minimum(np.arange(1, 49), 5)))
     )
@@ -516,6 +533,49 @@ def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, c
         "0 of 1 results were trained or evaluated in a dirty checkout, and this report was "
         "written from one."
     ) in text
+
+
+def _diag(entropy: float, sink: float, t: int, train_len: int = 16) -> dict:
+    """A diagnostics entry at length ``t`` whose rows beyond ``train_len`` have ``entropy`` /
+    ``sink`` and whose earlier rows have uniform attention's values."""
+    n = np.arange(1, t + 1)
+    far = n > train_len
+    return {
+        "entropy": [float(np.mean(np.where(far, entropy, np.log(n))))] * 2,
+        "sink": [float(np.mean(np.where(far, sink, 1 / n)))] * 2,
+        "windows": 8,
+        "uniform_entropy": float(np.mean(np.log(n))),
+        "uniform_sink": float(np.mean(1 / n)),
+        "entropy_beyond": [entropy] * 2 if far.any() else None,
+        "sink_beyond": [sink] * 2 if far.any() else None,
+        "uniform_entropy_beyond": float(np.mean(np.log(n[far]))) if far.any() else None,
+        "uniform_sink_beyond": float(np.mean(1 / n[far])) if far.any() else None,
+        "row_bins": [[0, t // 2], [t // 2, t]],
+        "entropy_by_row": [1.0, entropy],
+        "sink_by_row": [0.1, sink],
+        "uniform_entropy_by_row": [1.0, 2.0],
+        "uniform_sink_by_row": [0.1, 0.01],
+    }
+
+
+def test_diagnostics_are_read_beyond_the_training_length_for_normalised_arms(tmp_path, clean_env):
+    """The table's 16x columns are the rows past L, not a row mean the early rows dominate, and
+    sigmoid (rows that do not sum to 1) is left off, with a note."""
+    results = []
+    for label, ent, sink in (("softmax", 1.5, 0.3), ("lssar p=15", 0.5, 0.001), ("sigmoid", 9, 9)):
+        for r in _arm(label, label, [2.0] * 5):
+            r["diagnostics"] = {str(m * 16): _diag(ent, sink, m * 16) for m in (1, 2, 4, 8, 16)}
+            results.append(r)
+    text = _report(tmp_path, results)
+    section = text.split("## Attention diagnostics")[1].split("\n## ")[0]
+    assert "| entropy, rows beyond L at 16x [uniform] |" in section
+    # 1x: every row uniform (ln 1..16 averaged: 1.92); 16x beyond L: 1.50 against ln 17..256
+    assert "| softmax | 8 x 3 | 1.92 ± 0.00 [1.92] | 1.50 ± 0.00 [4.74] |" in section
+    assert "| 0.3000 ± 0.0000 [0.0114] |" in section  # mass beyond L against mean 1/17..1/256
+    assert "| lssar p=15 | 8 x 3 |" in section and "| sigmoid |" not in section
+    assert "Left off: sigmoid (unnormalised" in section
+    for png in ("entropy_sink_vs_length", "entropy_sink_by_row"):
+        assert (tmp_path / "r" / f"{png}.png").stat().st_size > 0
 
 
 def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):

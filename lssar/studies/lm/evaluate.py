@@ -148,38 +148,78 @@ def loss_vs_length(
     }
 
 
+N_ROW_BINS = 16  # row-position bins of the diagnostics' profile along the window
+
+
+def _row_bins(t: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of up to :data:`N_ROW_BINS` equal runs of rows of a length-``t`` window."""
+    edges = np.linspace(0, t, min(N_ROW_BINS, t) + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
 @torch.inference_mode()
 def attention_diagnostics(
-    model: GPT, val: np.ndarray, lengths: list[int], n_windows: int = 8, window: int | None = None
+    model: GPT,
+    val: np.ndarray,
+    lengths: list[int],
+    n_windows: int = 8,
+    window: int | None = None,
+    train_len: int | None = None,
 ) -> dict[str, Any]:
-    """Per length and layer: mean row entropy (nats) and mean attention mass on the first token,
-    averaged over ``n_windows`` windows spread over the split, beside what uniform attention over
-    the same visible keys gives (``uniform_entropy`` = mean ln N_i, ``uniform_sink`` = mean 1/N_i):
+    """Per length: mean row entropy (nats) and mean attention mass on the first token, averaged
+    over ``n_windows`` windows spread over the split, beside what uniform attention over the
+    same visible keys gives (``uniform_entropy`` = mean ln N_i, ``uniform_sink`` = mean 1/N_i):
     a sink has formed only where the first-token mass is above the uniform one.
+
+    A mean over every row is dominated by the early rows (a 16x window has 15 rows beyond the
+    training length for every row within it, yet the row mean hides how those late rows
+    behave), so besides the per-layer means over all rows (``entropy``, ``sink``) it gives
+    them over the rows beyond ``train_len`` (default: the shortest length; ``entropy_beyond``,
+    ``sink_beyond`` and their uniform values; None when no row is beyond) and a profile along
+    the window (``row_bins``: ``[start, end)`` rows; ``entropy_by_row``, ``sink_by_row`` and
+    their uniform values, each a mean over layers, heads, windows and the bin's rows).
 
     Uses the materialised weights (the reference path), one window per forward, so keep the
     lengths moderate.
     """
     mask_for = window_of(window)
+    limit = min(lengths) if train_len is None else train_len
+    n_layer = model.cfg.n_layer
     out: dict[str, Any] = {}
     for t in lengths:
         mask = mask_for(t)
         visible = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask
         n_i = visible.sum(-1).double()  # (T,) keys each row sees
-        ent, sink, count = np.zeros(model.cfg.n_layer), np.zeros(model.cfg.n_layer), 0
+        u_ent, u_sink = n_i.log(), visible[:, 0] / n_i  # (T,) uniform attention's values
+        beyond = torch.arange(t) >= limit  # (T,) rows past the training length
+        ent, sink = np.zeros((n_layer, t)), np.zeros((n_layer, t))  # summed over windows
+        count = 0
         for x, _ in iter_eval_windows(val, t, n_windows * t):
             weights: list[torch.Tensor] = []
             model(x, weights=weights, attn_mask=mask)
             for i, w in enumerate(weights):  # (1, H, T, T)
-                ent[i] += float(-(w * torch.log(w.clamp_min(1e-30))).sum(-1).mean())
-                sink[i] += float(w[..., 0].mean())
+                row_ent = -(w * torch.log(w.clamp_min(1e-30))).sum(-1)  # (1, H, T)
+                ent[i] += row_ent.mean((0, 1)).double().numpy()
+                sink[i] += w[..., 0].mean((0, 1)).double().numpy()
             count += 1
+        ent, sink = ent / count, sink / count  # (L, T) per layer and row
+        far = beyond.numpy()
+        bins = _row_bins(t)
         out[str(t)] = {
-            "entropy": (ent / count).tolist(),
-            "sink": (sink / count).tolist(),
+            "entropy": ent.mean(1).tolist(),
+            "sink": sink.mean(1).tolist(),
             "windows": count,
-            "uniform_entropy": float(n_i.log().mean()),
-            "uniform_sink": float((visible[:, 0] / n_i).mean()),
+            "uniform_entropy": float(u_ent.mean()),
+            "uniform_sink": float(u_sink.mean()),
+            "entropy_beyond": ent[:, far].mean(1).tolist() if far.any() else None,
+            "sink_beyond": sink[:, far].mean(1).tolist() if far.any() else None,
+            "uniform_entropy_beyond": float(u_ent[beyond].mean()) if far.any() else None,
+            "uniform_sink_beyond": float(u_sink[beyond].mean()) if far.any() else None,
+            "row_bins": [list(b) for b in bins],
+            "entropy_by_row": [float(ent[:, a:b].mean()) for a, b in bins],
+            "sink_by_row": [float(sink[:, a:b].mean()) for a, b in bins],
+            "uniform_entropy_by_row": [float(u_ent[a:b].mean()) for a, b in bins],
+            "uniform_sink_by_row": [float(u_sink[a:b].mean()) for a, b in bins],
         }
     return out
 
@@ -324,7 +364,7 @@ def evaluate_run(
     result.update(loss_vs_length(model, val, train_len, multiples, eval_tokens, progress, window))
     if diagnostics:
         result["diagnostics"] = attention_diagnostics(
-            model, val, lengths, diagnostic_windows, window
+            model, val, lengths, diagnostic_windows, window, train_len
         )
     if health:
         result["numerical_health"] = numerical_health(model, val, lengths[-1], window)

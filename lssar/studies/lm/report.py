@@ -17,7 +17,7 @@ import numpy as np
 from lssar.runio import environment
 from lssar.studies.common import provenance_head
 from lssar.studies.common import write_report as write_files
-from lssar.studies.lm.figures import group, plot_results
+from lssar.studies.lm.figures import group, normalised, plot_results
 from lssar.studies.lm.presets import (
     ALTERNATIVES,
     LSSA,
@@ -394,27 +394,44 @@ def _alternatives(losses, multiples) -> list[str]:
 def _diagnostics(groups, multiples) -> list[str]:
     top = max(multiples)
     lines = [
-        "| attention | windows | entropy 1x [uniform] | entropy "
-        f"{top}x [uniform] | first-token mass 1x [uniform] | first-token mass {top}x [uniform] |",
+        "| attention | windows | entropy 1x [uniform] | entropy, rows beyond L at "
+        f"{top}x [uniform] | first-token mass 1x [uniform] | first-token mass, rows beyond L "
+        f"at {top}x [uniform] |",
         "|---|---|---|---|---|---|",
     ]
+    left_off = []
     for label, rs in groups.items():
         if not all("diagnostics" in r for r in rs):
             continue
+        if not all(normalised(r) for r in rs):
+            left_off.append(label)
+            continue
         cells = []
         for key, digits in (("entropy", 2), ("sink", 4)):
-            for m in (1, top):
+            for m, part in ((1, ""), (top, "_beyond")):
                 ds = [r["diagnostics"][str(m * r["train_len"])] for r in rs]
-                iv = mean_ci([float(np.mean(d[key])) for d in ds])
-                cells.append(f"{_fmt(iv, digits)} [{ds[0][f'uniform_{key}']:.{digits}f}]")
+                if any(d.get(f"{key}{part}") is None for d in ds):
+                    cells.append("-")
+                    continue
+                iv = mean_ci([float(np.mean(d[f"{key}{part}"])) for d in ds])
+                cells.append(f"{_fmt(iv, digits)} [{ds[0][f'uniform_{key}{part}']:.{digits}f}]")
         n = rs[0]["diagnostics"][str(rs[0]["train_len"])]["windows"]
         lines.append(f"| {label} | {n} x {len(rs)} | " + " | ".join(cells) + " |")
+    note = (
+        f" Left off: {', '.join(left_off)} (unnormalised: rows do not sum to 1, so entropy and "
+        "mass do not compare)."
+        if left_off
+        else ""
+    )
     return lines + [
         "",
         "Mean row entropy (nats) and mean attention mass on the window's first token, averaged "
-        "over layers, heads, rows and the windows (spread over the split), ± the 95% interval "
-        "over seeds. In brackets: the same for uniform attention over the visible keys (ln N_i, "
-        "1/N_i). A first-token mass above the uniform one is an attention sink.",
+        "over layers, heads, the rows named and the windows (spread over the split), ± the 95% "
+        "interval over seeds: over every row at 1x, over the rows past the training length L "
+        f"at {top}x (a mean over every row there is dominated by the early rows every length "
+        "shares; the profile along the window is in entropy_sink_by_row.png). In brackets: the "
+        "same for uniform attention over the visible keys (ln N_i, 1/N_i). A first-token mass "
+        f"above the uniform one is an attention sink.{note}",
     ]
 
 
@@ -652,6 +669,7 @@ def write_report(
         "![loss vs length](loss_vs_length.png)",
         "![loss by position](loss_by_position.png)",
         "![entropy and first-token mass](entropy_sink_vs_length.png)",
+        "![entropy and first-token mass by row position](entropy_sink_by_row.png)",
     ]
     if any("passkey" in r for r in results):
         lines.append("![passkey](passkey.png)")
