@@ -12,6 +12,7 @@ import pytest
 from lssar import data
 from lssar.cli import main as cli_main
 from lssar.data import passkey
+from lssar.ops.variants import VARIANTS
 from lssar.spec import AttentionSpec
 from lssar.studies.lm import evaluate, presets, reproduce
 from lssar.studies.lm import passkey as pk
@@ -745,6 +746,49 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="under torchrun"):
         reproduce.reproduce("quick", tmp_path / "runs", jobs=2)
+
+
+def _changes(a: str, b: str) -> int:
+    """How many things two arms' trained rules differ in: phi (with its normalisation), the
+    scale rule (sdpa / ln N_i / frozen, with or without a learned s_h), QK-norm, re-weighting."""
+    va, vb = (VARIANTS[presets.ARMS[x].attention.name] for x in (a, b))
+    pa, pb = (presets.ARMS[x].attention.options.get("p") for x in (a, b))
+    things = [
+        (va.phi, va.l1, va.divide_by_n) != (vb.phi, vb.l1, vb.divide_by_n),
+        (va.scaling, "s" in va.options) != (vb.scaling, "s" in vb.options),
+        va.qk_norm != vb.qk_norm,
+        (pa if pa is not None else va.options.get("p"))
+        != (pb if pb is not None else vb.options.get("p")),
+    ]
+    return sum(things)
+
+
+def test_decomposition_rows_change_one_thing_unless_they_say_two():
+    for question, a, b in reproduce_report.DECOMPOSITION:
+        if reproduce_report.WINDOW in (a, b):
+            continue
+        want = 2 if "(two changes" in question else 1
+        assert _changes(a, b) == want, (question, a, b)
+    decomposition = presets.PRESETS["cpu-decomposition"]
+    # every row's arms are in the preset, which shares cpu's runs and evaluations
+    for _, a, b in reproduce_report.DECOMPOSITION:
+        if a in presets.DECOMPOSITION_ARMS or b in presets.DECOMPOSITION_ARMS:
+            assert {a, b} <= set(decomposition.arms), (a, b)
+    assert decomposition.eval_folder == "cpu" and decomposition.seeds == [0, 1, 2]
+    assert decomposition.passkey == presets.PRESETS["cpu"].passkey
+
+
+def test_paper_regime_preset_is_head_dim_64_trained_4x_cpu():
+    regime, cpu = presets.PRESETS["cpu-paper-regime"], presets.PRESETS["cpu"]
+    cfg, base = load_config(regime.train_preset, {}), load_config(cpu.train_preset, {})
+    assert cfg.n_embd // cfg.n_head == 64 and base.n_embd // base.n_head == 32
+    assert cfg.max_steps == 4 * base.max_steps == 1800
+    same = ("n_layer", "n_embd", "seq_len", "batch_size", "lr", "min_lr", "corpus", "tokenizer")
+    assert [getattr(cfg, k) for k in same] == [getattr(base, k) for k in same]
+    assert regime.arms == [
+        "softmax", "window", "softmax-qknorm-logn", "lssa", "lssar p=15", "softmax + alibi",
+    ]  # fmt: skip
+    assert regime.seeds == [0, 1, 2] and "--jobs 2" in regime.budget
 
 
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
