@@ -210,6 +210,8 @@ def test_claim_p_values_are_scipy_tests_against_the_criterion():
         pytest.approx(sp.ttest_1samp([0.05, 0.06, 0.04], 0.02).pvalue),
     )
     assert Claim("one seed", [-0.5], "criterion < 0", hi=0.0).raw() == ("no interval", None)
+    with pytest.raises(ValueError, match="exactly one of lo, hi or margin"):
+        Claim("two bounds", [0.1, 0.2], "c", lo=-1.0, hi=1.0)
 
 
 def test_holm_over_the_declared_claims_says_which_verdicts_change():

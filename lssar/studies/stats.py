@@ -292,6 +292,12 @@ class Claim:
     hi: float = math.inf
     margin: float | None = None
 
+    def __post_init__(self) -> None:
+        # one criterion per claim, so its test (and its p-value for Holm) is unambiguous
+        given = [math.isfinite(self.lo), math.isfinite(self.hi), self.margin is not None]
+        if sum(given) != 1:
+            raise ValueError(f"claim {self.text!r}: give exactly one of lo, hi or margin")
+
     def raw(self) -> tuple[str, float | None]:
         """(verdict before the multiplicity correction, the p-value of its deciding test).
 
