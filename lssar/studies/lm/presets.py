@@ -146,9 +146,10 @@ PRESETS = {
         # the window control too: beyond L it cannot see the key, so it bounds what "retrieves
         # beyond the training length" can mean at chance
         passkey_arms=[SOFTMAX.label, WINDOW, LSSA.label, LSSAR15.label, QKNORM.label],
-        # ~100 min measured with early-stopped passkey; 600 fixed fine-tuning steps for 5 arms
-        # x 3 seeds add ~15 min (a fine-tuning step costs about a tiny-cpu training step)
-        budget="~115 min on 2 CPU cores",
+        # ~100 min measured with early-stopped passkey (100-500 steps, 4 arms); 600 fixed steps
+        # for 5 arms x 3 seeds add ~5,400 fine-tuning steps, each about a tiny-cpu training
+        # step (0.4-1 s at one thread, by load): +20-45 min with two workers
+        budget="~120-150 min on 2 CPU cores with --jobs 2",
     ),
     # the practitioner's alternatives (issue #24) beside softmax and LSSAR p=15, on the cpu
     # preset's runs and evaluations (same runs directory, same evaluation settings: its softmax
@@ -191,11 +192,13 @@ PRESETS = {
         eval_tokens=32768,
         passkey=PASSKEY_CPU,
         passkey_arms=[SOFTMAX.label, LSSA.label, LSSAR15.label, QKNORM.label],
-        # 12 new runs (4 arms x 3 seeds); estimated from cpu's per-run times on tiny-cpu (~3-4
-        # min to train at one thread, ~1-2 min to evaluate; lssa-const and softmax-qknorm-logn
-        # p=15 run on the materialised reference, which at 16x evaluates ~2x slower), not timed
-        # end to end
-        budget="~40 min on 2 CPU cores with --jobs 2 after cpu (reuses its softmax, "
+        # 12 new runs (4 arms x 3 seeds). Measured at one thread on the 2-core machine under a
+        # load of ~6: 30 tiny-cpu steps at 0.65 (learned), 0.87 (lssa-const), 1.07 (softmax,
+        # standing in for softmax-qknorm-const) and 1.33 s/step (softmax-qknorm-logn p=15), so
+        # ~26 min of training per seed; evaluations at cpu's settings 52 s (softmax), 199 s
+        # (lssa-const) and 303 s (p=15), both of the last on the materialised reference at 16x:
+        # ~10 min per seed. ~110 min at one thread, ~55 min with two workers
+        budget="~55 min on 2 CPU cores with --jobs 2 after cpu (reuses its softmax, "
         "softmax-qknorm-logn, lssa and lssar p=15 runs and evaluations)",
         eval_folder="cpu",
     ),
@@ -212,11 +215,12 @@ PRESETS = {
         passkey=PASSKEY_CPU,
         passkey_arms=[SOFTMAX.label, WINDOW, LSSAR15.label],
         # measured: 30 steps of paper-regime-cpu at one thread on the 2-core machine while
-        # another experiment ran, 0.53-0.67 s/step with warm-up (softmax 0.55, lssa 0.53,
-        # lssar p=15 0.60, softmax-qknorm-logn 0.67; ALiBi taken as softmax): ~17 min per
-        # 1,800-step run, 15 runs = ~260 min at one thread, ~130 min with two workers; plus
-        # evaluations (~2 min per run) and 9 passkey fine-tunings of 600 steps (~5 min each):
-        # ~2.5-3 h wall in all; an idle machine is faster
+        # another experiment ran (load 3-6), with warm-up: 0.55 (softmax), 0.53 (lssa), 0.60
+        # (lssar p=15), 0.67 (softmax-qknorm-logn) and 0.30 s/step (softmax + alibi, at a quieter
+        # moment): ~80 min of training per seed, ~240 min for 3 seeds at one thread, ~120 min
+        # with two workers; plus evaluations (~1-2 min per result, 18 results) and 9 passkey
+        # fine-tunings of 600 steps (~4-5 min each): ~2.5-3 h wall in all; an idle machine is
+        # faster
         budget="~2.5-3 h on 2 CPU cores with --jobs 2 (estimated from 30 measured steps per "
         "arm at one thread)",
     ),
