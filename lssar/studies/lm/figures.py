@@ -145,7 +145,9 @@ def plot_results(results: list[Result], out_dir: Path) -> list[Path]:
         _band(ax, xs, [[r["loss"][t] for t in lengths] for r in rs], label)
     ax.set(xscale="log", xlabel="evaluation length / training length", ylabel="validation loss")
     ax.set_xticks(xs, [f"{x:g}x" for x in xs])
-    ax.set_title("Loss vs length (mean, 95% band over seeds)", fontsize=10)
+    several = any(len(rs) > 1 for rs in groups.values())
+    what = "mean, 95% band over seeds" if several else "one seed: no band"
+    ax.set_title(f"Loss vs length ({what})", fontsize=10)
     _save(fig, out_dir / "loss_vs_length.png", paths)
 
     fig, ax = plt.subplots(figsize=(6, 4))
