@@ -163,9 +163,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
-        # Scalable-Softmax learns one s per head; the other variants have no parameters.
+        # Scalable-Softmax (and softmax-qknorm-learned) learn one s per head; the other variants
+        # have no parameters. The name stays ssmax_s so checkpoints keep their keys.
+        variant = get_variant(cfg.attn)
+        init = SSMAX_S_INIT if cfg.attn == "ssmax" else variant.options.get("s")
         self.ssmax_s = (
-            nn.Parameter(torch.full((self.n_head,), SSMAX_S_INIT)) if cfg.attn == "ssmax" else None
+            nn.Parameter(torch.full((self.n_head,), float(init)))
+            if "s" in variant.options
+            else None
         )
 
     def forward(
@@ -200,7 +205,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         name, options, impl = spec.name, spec.options, spec.impl
-        if name == "ssmax":
+        if "s" in get_variant(name).options:  # the learned per-head scale
             options = {**options, "s": self.ssmax_s}
         gqa = self.n_kv != self.n_head
         y = attention(
@@ -305,10 +310,10 @@ class GPT(nn.Module):
             spec = attn
         else:
             spec = AttentionSpec(attn, options or {}, impl)
-        if spec.name == "ssmax" and self.cfg.attn != "ssmax":
+        if "s" in get_variant(spec.name).options and spec.name != self.cfg.attn:
             raise ValueError(
-                "ssmax needs per-head scales learned in training; this model was trained with "
-                f"{self.cfg.attn!r}, so it cannot switch to ssmax"
+                f"{spec.name} needs per-head scales learned in training; this model was trained "
+                f"with {self.cfg.attn!r}, so it cannot switch to {spec.name}"
             )
         check_pos(self.cfg.pos, spec.name)  # an ALiBi model keeps a variant it can bias
         self.attn_spec = spec

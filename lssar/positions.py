@@ -6,7 +6,8 @@ A model's position rule is chosen at training (``GPTConfig.pos``, ``--pos``):
 * ``alibi``: no rotation; ALiBi's bias ``-m_h |i - j|`` on the attention scores (Press et al.,
   "Train Short, Test Long"), with the standard geometric per-head slopes :func:`alibi_slopes`.
   It biases logits of a softmax, so it runs with the softmax family only (``softmax``,
-  ``ssmax``, ``softmax-qknorm-logn``: :data:`lssar.ops.registry.ALIBI_VARIANTS`);
+  ``ssmax``, ``softmax-qknorm-logn`` / ``-const`` / ``-learned``:
+  :data:`lssar.ops.registry.ALIBI_VARIANTS`);
 * ``nope``: no position encoding at all, the causal mask is the only order signal.
 
 A RoPE model can be evaluated with its rotation rescaled (:class:`RopeScaling`, switched after
@@ -32,8 +33,8 @@ The factor ``s`` is a number or ``auto``: the evaluated length over the training
 which is the unscaled model). For ``dynamic-ntk``, whose scale follows the length by itself,
 ``auto`` is ``f = 1``. With a KV cache a length-dependent rule (``auto``, ``dynamic-ntk``)
 uses the length at which each token was encoded, as transformers' dynamic RoPE does. The
-temperature scales q and k alike, so variants that normalise q and k (lssa, lssar,
-softmax-qknorm-logn) are unchanged by it, by their definition.
+temperature scales q and k alike, so variants that normalise q and k (lssa, lssar, lssa-const,
+softmax-qknorm-logn / -const / -learned) are unchanged by it, by their definition.
 """
 
 from __future__ import annotations

@@ -37,7 +37,10 @@ def check_attention(attn: str, options: Mapping[str, Any], impl: str = "auto") -
     options. ``ValueError`` names what is wrong."""
     variant = get_variant(attn)
     if "s" in options:
-        raise ValueError("ssmax's `s` is a learned parameter of the model, not an option")
+        raise ValueError(
+            f"{attn}'s `s` is a learned parameter of the model (ssmax, softmax-qknorm-learned), "
+            "not an option"
+        )
     resolved = variant.resolve(dict(options))
     if impl != "auto" and impl not in IMPLS:
         raise ValueError(f"unknown attn_impl {impl!r}; valid: auto, {', '.join(IMPLS)}")
@@ -136,13 +139,15 @@ class AttentionSpec:
     @classmethod
     def from_config(cls, cfg: Any) -> AttentionSpec:
         """The spec of a config object or dict in any stored form: ``attn`` + ``attn_options``
-        + ``attn_impl`` (``GPTConfig``, HF ``config.json``) or ``attn`` + ``attn_p`` +
-        ``attn_impl`` (``TrainConfig``, a run's ``config.json``); missing keys take the
-        defaults (``softmax``, no options, ``auto``), as in run directories of every version."""
+        + ``attn_impl`` (``GPTConfig``, HF ``config.json``) or ``attn`` + ``attn_p`` (+
+        ``attn_n``) + ``attn_impl`` (``TrainConfig``, a run's ``config.json``); missing keys take
+        the defaults (``softmax``, no options, ``auto``), as in run directories of every version."""
         get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
         options = dict(get("attn_options", None) or {})
         if get("attn_p", None) is not None:
             options["p"] = get("attn_p")
+        if get("attn_n", None) is not None:
+            options["n"] = get("attn_n")
         return cls(get("attn", "softmax"), options, get("attn_impl", "auto") or "auto")
 
     def to_config(self) -> dict[str, Any]:
@@ -150,12 +155,13 @@ class AttentionSpec:
         return {"attn": self.name, "attn_options": dict(self.options), "attn_impl": self.impl}
 
     def to_train(self) -> dict[str, Any]:
-        """``{"attn", "attn_p", "attn_impl"}``: the ``TrainConfig`` form (whose only option is
-        ``p``; ``ValueError`` for others)."""
-        other = sorted(set(self.options) - {"p"})
+        """``{"attn", "attn_p", "attn_impl"}`` (and ``"attn_n"`` when the spec sets ``n``): the
+        ``TrainConfig`` form (whose options are ``p`` and ``n``; ``ValueError`` for others)."""
+        other = sorted(set(self.options) - {"p", "n"})
         if other:
             raise ValueError(f"TrainConfig has no field for the option(s) {other} of {self.label}")
-        return {"attn": self.name, "attn_p": self.options.get("p"), "attn_impl": self.impl}
+        out = {"attn": self.name, "attn_p": self.options.get("p"), "attn_impl": self.impl}
+        return out | ({"attn_n": self.options["n"]} if "n" in self.options else {})
 
 
 def run_label(

@@ -200,7 +200,31 @@ def test_auto_routes_alibi_to_the_paths_that_take_it():
     assert resolve("softmax", "auto", big, big, 0.1, {}, alibi=True).impl == "sdpa"  # dropout
     # re-weighting on top of softmax: only the reference has both
     assert resolve("softmax", "auto", big, big, 0.0, {"p": 15.0}, alibi=True).impl == "reference"
-    assert registry.ALIBI_VARIANTS == ("softmax", "ssmax", "softmax-qknorm-logn")
+    assert registry.ALIBI_VARIANTS == (
+        "softmax",
+        "ssmax",
+        "softmax-qknorm-logn",
+        "softmax-qknorm-const",
+        "softmax-qknorm-learned",
+    )
+    const = resolve("softmax-qknorm-const", "auto", big, big, 0.0, {"n": 128}, alibi=True)
+    assert const.impl == "sdpa"
+
+
+def test_alibi_on_the_constant_scale_variants_matches_the_reference():
+    """sdpa folds the frozen scale (and a learned s_h) into q before ALiBi's blocks, as it does
+    ln N_i: the same output as the reference's bias on the scaled scores."""
+    q, k, v = _inputs((1, 2, 2, 40, 40, 8), torch.float64)
+    slopes = torch.tensor([0.25, 0.0625], dtype=torch.float64)
+    for name, opts in (
+        ("softmax-qknorm-const", {"n": 16}),
+        ("softmax-qknorm-learned", {"n": 16, "s": torch.tensor([0.5, 1.5], dtype=torch.float64)}),
+    ):
+        kw = dict(is_causal=True, variant=name, alibi_slopes=slopes, **opts)
+        ref = lssar.attention(q, k, v, impl="reference", **kw)
+        assert torch.allclose(lssar.attention(q, k, v, impl="sdpa", **kw), ref, atol=1e-10)
+        plain = lssar.attention(q, k, v, impl="reference", is_causal=True, variant=name, **opts)
+        assert not torch.allclose(ref, plain, atol=1e-3)
 
 
 def test_dropout_with_alibi_is_applied():

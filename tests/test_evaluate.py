@@ -12,7 +12,10 @@ import pytest
 from lssar import data
 from lssar.cli import main as cli_main
 from lssar.data import passkey
+from lssar.ops.variants import VARIANTS
+from lssar.spec import AttentionSpec
 from lssar.studies.lm import evaluate, presets, reproduce
+from lssar.studies.lm import passkey as pk
 from lssar.studies.lm import report as reproduce_report
 from lssar.train import train
 from lssar.train.config import load_config
@@ -77,6 +80,17 @@ def test_evaluate_run_writes_results_and_reuses_them(runs):
     # uniform attention over 1..256 causal keys: mean ln N and mean 1/N
     assert d["uniform_entropy"] == pytest.approx(np.mean(np.log(np.arange(1, 257))))
     assert d["uniform_sink"] == pytest.approx(np.mean(1 / np.arange(1, 257)))
+    # the rows past the training length (16) alone: N_i = 17..256; none at 1x
+    assert len(d["entropy_beyond"]) == 2 and all(0 <= s <= 1 for s in d["sink_beyond"])
+    assert d["uniform_entropy_beyond"] == pytest.approx(np.mean(np.log(np.arange(17, 257))))
+    assert d["uniform_sink_beyond"] == pytest.approx(np.mean(1 / np.arange(17, 257)))
+    assert r["diagnostics"]["16"]["entropy_beyond"] is None
+    # the profile along the window: 16 bins of 16 rows, the first one's uniform entropy ln 1..16
+    assert d["row_bins"][:2] == [[0, 16], [16, 32]] and len(d["entropy_by_row"]) == 16
+    assert d["uniform_entropy_by_row"][0] == pytest.approx(np.mean(np.log(np.arange(1, 17))))
+    # the row mean is the mean of the profile (equal bins), beyond L the mean of bins 2..16
+    assert np.mean(d["entropy"]) == pytest.approx(np.mean(d["entropy_by_row"]))
+    assert np.mean(d["entropy_beyond"]) == pytest.approx(np.mean(d["entropy_by_row"][1:]))
     # provenance: the run's environment and this evaluation's, and the evaluation code's version
     assert r["env"]["git_sha"] == r["eval_env"]["git_sha"] and "git_dirty" in r["eval_env"]
     assert r["eval_version"] == evaluate.eval_code_version() and len(r["eval_version"]) == 12
@@ -149,6 +163,12 @@ def test_uniform_attention_matches_the_uniform_baseline(runs):
             assert d[t]["windows"] == 3
             assert np.allclose(d[t]["entropy"], d[t]["uniform_entropy"], atol=1e-5)
             assert np.allclose(d[t]["sink"], d[t]["uniform_sink"], atol=1e-6)
+            by_row = d[t]["entropy_by_row"], d[t]["uniform_entropy_by_row"]
+            assert np.allclose(*by_row, atol=1e-5)
+            assert np.allclose(d[t]["sink_by_row"], d[t]["uniform_sink_by_row"], atol=1e-6)
+        far = d["48"]
+        assert np.allclose(far["entropy_beyond"], far["uniform_entropy_beyond"], atol=1e-5)
+        assert np.allclose(far["sink_beyond"], far["uniform_sink_beyond"], atol=1e-6)
     assert d["48"]["uniform_entropy"] == pytest.approx(
         np.mean(np.log(np.minimum(np.arange(1, 49), 5)))
     )
@@ -226,7 +246,7 @@ def test_bad_input(runs, tmp_path, capsys):
         evaluate.evaluate_run(runs["softmax"], [1, 16], eval_tokens=10**7, progress=False)
     with pytest.raises(ValueError, match="too short for a passkey probe"):
         evaluate.evaluate_run(
-            runs["softmax"], [1], eval_tokens=64, passkey=evaluate.PasskeySettings(), progress=False
+            runs["softmax"], [1], eval_tokens=64, passkey=pk.PasskeySettings(), progress=False
         )
     assert cli_main(["eval", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -249,20 +269,51 @@ def test_passkey_probe_construction_and_scoring(runs):
     text = tok.decode(ids)
     assert len(ids) == 200 and text.endswith(passkey.QUESTION + "48213")
     assert "The pass key is 48213." in text and tok.decode(ids[answer:]) == "48213"
+    # the same probe from the same rng, and where its key sits (here: the space before it)
+    again, answer2, key_at = passkey.passkey_sample_at(
+        tok, filler, 200, 0.5, "48213", np.random.default_rng(0)
+    )
+    assert (again, answer2) == (ids, answer) and tok.decode(ids[key_at : key_at + 6]) == " 48213"
     model, _, _ = load_run(runs["softmax"])
-    few = evaluate.PasskeySettings(max_steps=3, check_every=2, batch_size=2)
-    tuned, fit = evaluate.passkey_finetune(model, tok, filler, 96, few, progress=False)
+    few = pk.PasskeySettings(steps=3, warmup_steps=1, batch_size=2)
+    tuned, fit = pk.passkey_finetune(model, tok, filler, 96, few, progress=False)
     assert fit["steps"] == 3 and fit["reached"] == (fit["check_accuracy"] >= 0.9)
-    acc = evaluate.passkey_accuracy(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2)
+    # a fixed budget: every step runs even when the target (0 here) is met from the start
+    met = pk.PasskeySettings(steps=4, warmup_steps=2, target=0.0, batch_size=2)
+    _, fit = pk.passkey_finetune(model, tok, filler, 96, met, progress=False)
+    assert fit["steps"] == 4 and fit["reached"]
+    scores = pk.passkey_scores(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2, train_len=96)
+    acc, split = scores["accuracy"], scores["by_distance"]
     assert set(acc) == {"96", "192"} and set(acc["96"]) == {"0.1", "0.9"}
     assert all(0.0 <= a <= 1.0 for row in acc.values() for a in row.values())
-    # it stops at the first check that reaches the target (target 0: the first check)
-    first_check = evaluate.PasskeySettings(max_steps=50, target=0.0, check_every=2, batch_size=2)
-    _, fit = evaluate.passkey_finetune(model, tok, filler, 96, first_check, progress=False)
-    assert fit == {"steps": 2, "check_accuracy": fit["check_accuracy"], "reached": True}
-    x, starts = evaluate._passkey_batch(tok, filler, 96, 3, rng, digits=2)
+    assert acc == pk.passkey_accuracy(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2)
+    # at 1x every key is within L; at 2x depth 0.1 puts it ~160 tokens back (beyond 96), depth
+    # 0.9 ~70 (within): the buckets hold exactly those probes and their hits
+    assert split["96"] == {"within": {"hits": round(2 * sum(acc["96"].values())), "n": 4},
+                           "beyond": {"hits": 0, "n": 0}}  # fmt: skip
+    assert split["192"]["within"] == {"hits": round(2 * acc["192"]["0.9"]), "n": 2}
+    assert split["192"]["beyond"] == {"hits": round(2 * acc["192"]["0.1"]), "n": 2}
+    x, starts, keys = pk._passkey_batch(tok, filler, 96, 3, rng, digits=2)
     for row, a in zip(x, starts):
         assert len(tok.decode(row[a:].tolist())) == 2 and tok.decode(row[a:].tolist()).isdigit()
+
+
+def test_passkey_chance_and_schedule():
+    """One-digit keys are 1-9: chance 1/9, not 1/10; the learning rate warms up, then decays."""
+    tok = data.get_tokenizer("byte")
+    filler = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 40, dtype=np.uint8)
+    x, starts, _ = pk._passkey_batch(tok, filler, 80, 200, np.random.default_rng(0), digits=1)
+    keys = {tok.decode(row[a:].tolist()) for row, a in zip(x, starts)}
+    assert keys == {str(k) for k in range(1, 10)}
+    assert pk.PasskeySettings(digits=1).chance == pytest.approx(1 / 9)
+    assert pk.PasskeySettings(digits=3).chance == pytest.approx(1 / 900)
+    s = pk.PasskeySettings(steps=100, warmup_steps=10, lr=1e-3)
+    lrs = [s.lr_at(i) for i in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10])) and max(lrs) == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] > 1e-4 > lrs[-1] - 1e-5
+    with pytest.raises(ValueError, match="warmup_steps <= steps"):
+        pk.PasskeySettings(steps=5, warmup_steps=6)
 
 
 def _fake(train, evaluated, losses, seed=0, window=None, dirty=False, train_len=16):
@@ -323,10 +374,18 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         *_arm("lssa", "lssar p=15", [2.43, 2.8, 3.1, 3.3, 3.5], jitter=-0.6),
         *_arm("lssar p=15", "lssar p=15", [1.935, 1.94, 1.99, 2.1, 2.3]),
         *_arm("softmax-qknorm-logn", "softmax-qknorm-logn", [1.9, 1.91, 1.99, 2.12, 2.3]),
+        # the decomposition arm with the scale frozen at the training length (16)
+        *_arm("softmax-qknorm-const n=16", "softmax-qknorm-const n=16", [1.9, 2.0, 2.1, 2.2, 2.3]),
     ]
     text = _report(tmp_path, results)
     assert text.startswith("# lssar reproduce --preset cpu\n\nBuilt from committed code")
-    assert "Training runs at commit aaaaaaaaaa (12 runs)" in text  # windows/eval-only reuse runs
+    assert "Training runs at commit aaaaaaaaaa (15 runs)" in text  # windows/eval-only reuse runs
+    # each decomposition row names what differs; the constant-scale arm is found with its n
+    assert (
+        "| + ln N scale given QK-norm (ln N_i instead of the fixed ln L) | softmax-qknorm-logn - "
+        "softmax-qknorm-const n=16 | +0.000 ± 0.000 within noise | -0.090 ± 0.000 lower |"
+    ) in text
+    assert "| + QK-norm and ln N scale (two changes) | softmax-qknorm-logn - softmax |" in text
     assert "evaluations at bbbbbbbbbb; this report at cccccccccc." in text
     assert '"argv": [\n  "lssar",\n  "reproduce"\n ]' in text  # its own invocation's environment
     # flat: 2.3 / 1.935 = 1.19 on every seed (same shift) -> tight interval above 1.10
@@ -334,10 +393,16 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 -> "
         "**contradicted**"
     ) in text
-    assert "16x / 1x**: measured 1.53 ± 0.01 -> **supported** (criterion >= 1.5)" in text
+    assert (
+        "16x / 1x**: measured 1.53 ± 0.01 -> **supported** (criterion >= 1.5; p = 0.0037; "
+        "unchanged by Holm over the 9 declared claims)"
+    ) in text
     assert "lssar p=15 - softmax**: measured -0.600 ± 0.000 -> **supported**" in text
-    # 1.935 vs 1.9: +1.8% (inside +-2%)
-    assert "lssar / softmax - 1**: measured 0.018 ± 0.000 -> **supported**" in text
+    # 1.935 vs 1.9: +1.8% on every seed (inside +-2%): equivalent by TOST
+    assert (
+        "lssar / softmax - 1**: measured 0.018 ± 0.000 -> **supported** (equivalence within "
+        "±2%, TOST; p = 0.00063;"
+    ) in text
     assert (
         "lssa -> lssar p=15 (eval only) - lssa at 16x**: measured -0.100 ± 1.490 -> "
         "**within noise**"
@@ -356,10 +421,11 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         "| LSSAR vs the sliding-window control | lssar p=15 - softmax, sliding window 16 |" in text
     )
     assert (
-        "| re-weighting p=15 on LSSA (trained) | lssar p=15 - lssa | +0.005 ± 0.000 higher |"
+        "| + re-weighting p=15 on LSSA (trained) | lssar p=15 - lssa | +0.005 ± 0.000 higher |"
         in text
     )
-    assert "## Every arm against softmax" in text and "## Every arm against LSSAR p=15" in text
+    assert "## Every arm against softmax (exploratory)" in text
+    assert "## Every arm against LSSAR p=15 (exploratory)" in text
     assert "Scored tokens per length and seed: 512, in 32 / 16 / 8 / 4 / 2 windows" in text
     # sd 0.01, t(2) = 4.303: 4.303 * .01 / sqrt 3
     assert "| softmax | 3 x 512 | 1.900 ± 0.025 |" in text
@@ -367,6 +433,48 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
         assert (tmp_path / "r" / f"{png}.png").stat().st_size > 0
     summary = json.loads((tmp_path / "r" / "results.json").read_text())["summary"]
     assert summary["softmax"]["16"]["n"] == 3
+
+
+def _holm_and_window_results(window_jitter: float):
+    """softmax, its window control and LSSAR p=15, 3 seeds: "LSSAR beats softmax at 16x" has
+    per-seed differences -0.15, -0.20, -0.25 (paired t p = 0.020: supported alone, not after
+    Holm over the 5 declared claims); LSSAR - window at 16x is -0.005 - i * window_jitter."""
+    soft = _arm("softmax", "softmax", [1.9, 2.0, 2.2, 2.5, 2.9])
+    for r, extra in zip(soft, (-0.05, 0.0, 0.05)):
+        r["loss"]["256"] += extra
+    return [
+        *soft,
+        *_arm("softmax", "softmax", [1.9] * 4 + [2.705], window=16, jitter=window_jitter),
+        *_arm("lssar p=15", "lssar p=15", [1.935, 1.94, 1.99, 2.1, 2.7]),
+    ]
+
+
+def test_report_holm_changes_a_verdict_and_ties_only_from_tost(tmp_path, clean_env):
+    text = _report(tmp_path, _holm_and_window_results(0.002))
+    assert (
+        "LSSAR beats softmax at 16x: lssar p=15 - softmax**: measured -0.200 ± 0.124 -> "
+        "**within noise** (criterion < 0; p = 0.02; **Holm changes it** (raw: supported) over "
+        "the 5 declared claims)."
+    ) in text
+    # the flat-loss claim is far beyond its bound: Holm keeps it
+    assert "-> **contradicted** (criterion <= 1.10; p < 0.0001; unchanged by Holm" in text
+    # LSSAR - window: -0.005, -0.007, -0.009 (p = 0.026: below the window only before Holm);
+    # its 90% interval lies inside +-0.02: a tie, by TOST
+    assert (
+        "sliding-window softmax**: measured -0.007 ± 0.005 -> **within noise** (criterion < 0; "
+        "p = 0.026; **Holm changes it** (raw: supported)"
+    ) in text
+    assert (
+        "attending to the last L tokens only does as well: equivalent within ±0.02 loss (TOST, "
+        "90% interval -0.010 .. -0.004)."
+    ) in text
+    # the same mean difference with seeds that disagree: no tie, not separable
+    text = _report(tmp_path, _holm_and_window_results(0.03), name="wide")
+    assert "does as well" not in text
+    assert (
+        "is **not separable at this power** from the window control: lssar p=15 - window = 95% "
+        "interval -0.035 ± 0.075, neither better nor equivalent within ±0.02 loss (TOST)."
+    ) in text
 
 
 def _alternative_results(yarn_16x: float, yarn_jitter: float = 0.0):
@@ -428,33 +536,124 @@ def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, c
     ) in text
 
 
+def _diag(entropy: float, sink: float, t: int, train_len: int = 16) -> dict:
+    """A diagnostics entry at length ``t`` whose rows beyond ``train_len`` have ``entropy`` /
+    ``sink`` and whose earlier rows have uniform attention's values."""
+    n = np.arange(1, t + 1)
+    far = n > train_len
+    return {
+        "entropy": [float(np.mean(np.where(far, entropy, np.log(n))))] * 2,
+        "sink": [float(np.mean(np.where(far, sink, 1 / n)))] * 2,
+        "windows": 8,
+        "uniform_entropy": float(np.mean(np.log(n))),
+        "uniform_sink": float(np.mean(1 / n)),
+        "entropy_beyond": [entropy] * 2 if far.any() else None,
+        "sink_beyond": [sink] * 2 if far.any() else None,
+        "uniform_entropy_beyond": float(np.mean(np.log(n[far]))) if far.any() else None,
+        "uniform_sink_beyond": float(np.mean(1 / n[far])) if far.any() else None,
+        "row_bins": [[0, t // 2], [t // 2, t]],
+        "entropy_by_row": [1.0, entropy],
+        "sink_by_row": [0.1, sink],
+        "uniform_entropy_by_row": [1.0, 2.0],
+        "uniform_sink_by_row": [0.1, 0.01],
+    }
+
+
+def test_loss_figure_claims_a_band_only_with_seeds(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from lssar.studies.lm.figures import plot_results
+
+    titles: list[str] = []
+    real = Axes.set_title
+    monkeypatch.setattr(
+        Axes, "set_title", lambda ax, t, **kw: titles.append(t) or real(ax, t, **kw)
+    )
+    plot_results([_fake("softmax", "softmax", [2.0] * 5)], tmp_path / "one")
+    plot_results(_arm("softmax", "softmax", [2.0] * 5), tmp_path / "three")
+    assert titles[0] == "Loss vs length (one seed: no band)"
+    assert "Loss vs length (mean, 95% band over seeds)" in titles[1:]
+
+
+def test_diagnostics_are_read_beyond_the_training_length_for_normalised_arms(tmp_path, clean_env):
+    """The table's 16x columns are the rows past L, not a row mean the early rows dominate, and
+    sigmoid (rows that do not sum to 1) is left off, with a note."""
+    results = []
+    for label, ent, sink in (("softmax", 1.5, 0.3), ("lssar p=15", 0.5, 0.001), ("sigmoid", 9, 9)):
+        for r in _arm(label, label, [2.0] * 5):
+            r["diagnostics"] = {str(m * 16): _diag(ent, sink, m * 16) for m in (1, 2, 4, 8, 16)}
+            results.append(r)
+    text = _report(tmp_path, results)
+    section = text.split("## Attention diagnostics")[1].split("\n## ")[0]
+    assert "| entropy, rows beyond L at 16x [uniform] |" in section
+    # 1x: every row uniform (ln 1..16 averaged: 1.92); 16x beyond L: 1.50 against ln 17..256
+    assert "| softmax | 8 x 3 | 1.92 ± 0.00 [1.92] | 1.50 ± 0.00 [4.74] |" in section
+    assert "| 0.3000 ± 0.0000 [0.0114] |" in section  # mass beyond L against mean 1/17..1/256
+    assert "| lssar p=15 | 8 x 3 |" in section and "| sigmoid |" not in section
+    assert "Left off: sigmoid (unnormalised" in section
+    for png in ("entropy_sink_vs_length", "entropy_sink_by_row"):
+        assert (tmp_path / "r" / f"{png}.png").stat().st_size > 0
+
+
 def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
-    def with_passkey(r, acc1, acc_long, reached):
+    def with_passkey(r, acc1, acc_long, near=1.0):
+        """1x: every probe within L; 2x: 20 probes, 10 within (``near``), 10 beyond."""
         acc = {"16": {"0.5": acc1}, "32": {"0.5": acc_long}}
+        split = {
+            "16": {"within": {"hits": round(20 * acc1), "n": 20}, "beyond": {"hits": 0, "n": 0}},
+            "32": {
+                "within": {"hits": round(10 * near), "n": 10},
+                "beyond": {"hits": round(20 * acc_long - 10 * near), "n": 10},
+            },
+        }
         return r | {
-            "passkey": {"steps": 100, "check_accuracy": acc1, "reached": reached, "accuracy": acc}
+            "passkey": {
+                "steps": 600,
+                "check_accuracy": acc1,
+                "reached": acc1 >= 0.9,
+                "accuracy": acc,
+                "by_distance": split,
+            }
         }
 
-    soft = [with_passkey(r, 1.0, 0.0, True) for r in _arm("softmax", "softmax", [2] * 5)]
+    soft = [with_passkey(r, 1.0, 0.5) for r in _arm("softmax", "softmax", [2] * 5)]
+    window = [
+        with_passkey(r, 1.0, 0.5 + 0.05 * (i == 1))
+        for i, r in enumerate(_arm("softmax", "softmax", [2] * 5, window=16))
+    ]
     good = [
-        with_passkey(r, 1.0, 0.9 + 0.01 * i, True)
+        with_passkey(r, 1.0, 0.9 + 0.05 * (i == 1))
         for i, r in enumerate(_arm("lssar p=15", "lssar p=15", [2] * 5))
     ]
-    bad = [with_passkey(r, 0.5, 0.4, False) for r in _arm("lssa", "lssa", [2] * 5)]
-    preset = presets.Preset(
-        "t", "tiny-cpu", ["softmax"], multiples=[1, 2], passkey=evaluate.PasskeySettings()
-    )
-    out = reproduce_report.write_report("cpu", preset, soft + good + bad, tmp_path / "p", 1.0)
+    bad = [with_passkey(r, 0.5, 0.4, near=0.5) for r in _arm("lssa", "lssa", [2] * 5)]
+    settings = pk.PasskeySettings(steps=600, warmup_steps=60, digits=1)
+    preset = presets.Preset("t", "tiny-cpu", ["softmax"], multiples=[1, 2], passkey=settings)
+    results = soft + window + good + bad
+    out = reproduce_report.write_report("cpu", preset, results, tmp_path / "p", 1.0)
     text = (out / "REPORT.md").read_text()
-    assert "| lssar p=15 | 100 | 3/3 | 100.0 ± 0.0% | 91.0 ± 2.5% |" in text
-    assert "- lssar p=15 vs softmax at 2x: **supported**" in text
-    assert "- lssa vs softmax at 2x: **inconclusive (not learned at the training length)**" in text
+    assert "A 1-digit key (chance 11.1%: the first digit is 1-9)" in text
+    assert "for the same 600 steps (60 of warmup" in text and "no early stop" in text
+    assert "| lssar p=15 | 3/3 | 100.0 ± 0.0% | 91.7 ± 7.2% |" in text
+    assert "| lssa | 0/3 | 50.0 ± 0.0% | 40.0 ± 0.0% |" in text
+    # beyond L: softmax 0/10 on every seed, lssar p=15 8, 9, 8 of 10
+    assert "| lssar p=15 | 100.0 ± 0.0% (n=10) | 83.3 ± 14.3% (n=10) |" in text
+    assert "| softmax | 100.0 ± 0.0% (n=10) | 0.0 ± 0.0% (n=10) |" in text
+    assert "- lssar p=15 vs softmax at 2x, key beyond L: **supported**" in text
+    assert (
+        "- lssa vs softmax at 2x, key beyond L: **inconclusive (not learned at the training "
+        "length)**"
+    ) in text
+    # the window control (0, 1, 0 of 10 beyond) is an arm of the passkey table, and every arm is
+    # also compared with it
+    assert "| softmax, sliding window 16 | 100.0 ± 0.0% (n=10) | 3.3 ± 14.3% (n=10) |" in text
+    assert "- lssar p=15 vs the window control at 2x, key beyond L: **supported**" in text
     assert (tmp_path / "p" / "passkey.png").stat().st_size > 0
 
 
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
-    """Train 5 arms x 2 seeds (softmax, lssa, lssar p=15, and the alternatives ALiBi and
-    LSSAR without positions), evaluate with the window control, an eval-time p, YaRN at the
+    """Train 6 arms x 2 seeds (softmax, lssa, lssar p=15, the alternatives ALiBi and LSSAR
+    without positions, and the decomposition's QK-norm softmax with its scale fixed at the
+    training length), evaluate with the window control, an eval-time p, YaRN at the
     length multiple and passkey, write the report; a second invocation reuses every run and
     evaluation."""
     tiny = presets.Preset(
@@ -468,12 +667,13 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
             "softmax + alibi",
             "lssar p=15 + nope",
             "softmax -> yarn auto",
+            "softmax-qknorm-const",
         ],
         seeds=[0, 1],
         multiples=[1, 2],
         eval_tokens=192,
-        passkey=evaluate.PasskeySettings(max_steps=2, check_every=1, trials=1, digits=1),
-        passkey_arms=["softmax"],
+        passkey=pk.PasskeySettings(steps=2, warmup_steps=1, trials=1, digits=1),
+        passkey_arms=["softmax", "window"],
     )
     monkeypatch.setitem(presets.PRESETS, "tiny", tiny)
     lssa = dataclasses.replace(presets.ARMS["lssa"], evals=(presets.LSSAR15,))  # one eval-only p
@@ -494,10 +694,17 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
         "softmax + alibi",
         "lssar p=15 + nope",
         "softmax -> yarn auto (eval only)",
+        "softmax-qknorm-const n=96",  # n set to this run's training length, 96
     ):
         assert f"| {label} | 2 x 192 |" in text, label
+    assert (
+        "| + QK-norm, scale fixed at ln d ln L (two changes: norm and scale) | "
+        "softmax-qknorm-const n=96 - softmax |"
+    ) in text
+    const = load_run(tmp_path / "runs" / "tiny-cpu-softmax-qknorm-const-s1")[0]
+    assert const.attn_spec == AttentionSpec("softmax-qknorm-const", {"n": 96})
     assert "## Passkey retrieval" in text and "| softmax | " in text.split("## Passkey")[1]
-    assert "(10 runs)" in text and "## Provenance" in text
+    assert "(12 runs)" in text and "## Provenance" in text
     assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_window96` |" in text  # where it lives
     assert "| `tiny-cpu-softmax-s0/eval/tiny/softmax_yarn_auto` |" in text  # on softmax's run
     assert "| `tiny-cpu-softmax-alibi-s1/eval/tiny/softmax` |" in text
@@ -506,8 +713,9 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     assert "| YaRN on softmax+RoPE | lssar p=15 - softmax -> yarn auto (eval only) |" in text
     assert "Lowest mean loss at 2x among lssar p=15, softmax, softmax + alibi" in alternatives
     results = json.loads((out / "results.json").read_text())["results"]
-    assert len(results) == 16 and all(r["eval_version"] for r in results)
-    assert sum("passkey" in r for r in results) == 2  # the passkey arm (softmax), 2 seeds
+    assert len(results) == 18 and all(r["eval_version"] for r in results)
+    assert sum("passkey" in r for r in results) == 4  # softmax and its window control, 2 seeds
+    assert "| softmax, sliding window 96 | " in text.split("### By distance from the question")[1]
     # YaRN at factor auto is the softmax model itself at 1x
     by = {(Path(r["run"]).name, r["tag"]): r for r in results}
     yarn, soft = (
@@ -516,7 +724,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     )
     assert yarn["loss"]["96"] == soft["loss"]["96"] and yarn["loss"]["192"] != soft["loss"]["192"]
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
-    assert len(stamps) == 16  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
+    assert len(stamps) == 18  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
     assert all(p.parent.parent.name == "tiny" for p in stamps)
     again = reproduce.reproduce("tiny", overrides=overrides, **kw)
     assert (again / "REPORT.md").exists()
@@ -556,9 +764,55 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
         reproduce.reproduce("quick", tmp_path / "runs", jobs=2)
 
 
+def _changes(a: str, b: str) -> int:
+    """How many things two arms' trained rules differ in: phi (with its normalisation), the
+    scale rule (sdpa / ln N_i / frozen, with or without a learned s_h), QK-norm, re-weighting."""
+    va, vb = (VARIANTS[presets.ARMS[x].attention.name] for x in (a, b))
+    pa, pb = (presets.ARMS[x].attention.options.get("p") for x in (a, b))
+    things = [
+        (va.phi, va.l1, va.divide_by_n) != (vb.phi, vb.l1, vb.divide_by_n),
+        (va.scaling, "s" in va.options) != (vb.scaling, "s" in vb.options),
+        va.qk_norm != vb.qk_norm,
+        (pa if pa is not None else va.options.get("p"))
+        != (pb if pb is not None else vb.options.get("p")),
+    ]
+    return sum(things)
+
+
+def test_decomposition_rows_change_one_thing_unless_they_say_two():
+    for question, a, b in reproduce_report.DECOMPOSITION:
+        if reproduce_report.WINDOW in (a, b):
+            continue
+        want = 2 if "(two changes" in question else 1
+        assert _changes(a, b) == want, (question, a, b)
+    decomposition = presets.PRESETS["cpu-decomposition"]
+    # every row's arms are in the preset, which shares cpu's runs and evaluations
+    for _, a, b in reproduce_report.DECOMPOSITION:
+        if a in presets.DECOMPOSITION_ARMS or b in presets.DECOMPOSITION_ARMS:
+            assert {a, b} <= set(decomposition.arms), (a, b)
+    assert decomposition.eval_folder == "cpu" and decomposition.seeds == [0, 1, 2]
+    assert decomposition.passkey == presets.PRESETS["cpu"].passkey
+
+
+def test_paper_regime_preset_is_head_dim_64_trained_4x_cpu():
+    regime, cpu = presets.PRESETS["cpu-paper-regime"], presets.PRESETS["cpu"]
+    cfg, base = load_config(regime.train_preset, {}), load_config(cpu.train_preset, {})
+    assert cfg.n_embd // cfg.n_head == 64 and base.n_embd // base.n_head == 32
+    assert cfg.max_steps == 4 * base.max_steps == 1800
+    same = ("n_layer", "n_embd", "seq_len", "batch_size", "lr", "min_lr", "corpus", "tokenizer")
+    assert [getattr(cfg, k) for k in same] == [getattr(base, k) for k in same]
+    assert regime.arms == [
+        "softmax", "window", "softmax-qknorm-logn", "lssa", "lssar p=15", "softmax + alibi",
+    ]  # fmt: skip
+    assert regime.seeds == [0, 1, 2] and "--jobs 2" in regime.budget
+
+
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     assert cli_main(["reproduce", "--preset", "huge"]) == 2
-    assert "choose from quick, cpu, cpu-baselines, paper" in capsys.readouterr().err
+    assert (
+        "choose from quick, cpu, cpu-baselines, cpu-decomposition, cpu-paper-regime, paper"
+        in capsys.readouterr().err
+    )
     assert cli_main(["reproduce", "--preset", "paper"]) == 0
     plan = capsys.readouterr().out
     assert plan.count("torchrun --standalone --nproc_per_node=8 -m lssar train") == 9

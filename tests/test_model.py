@@ -16,7 +16,15 @@ def _model(attn: str, **kw) -> GPT:
 
 @pytest.mark.parametrize(
     "attn,opts",
-    [("softmax", {}), ("lssa", {}), ("lssar", {}), ("lssar", {"p": 3.0}), ("ssmax", {})],
+    [
+        ("softmax", {}),
+        ("lssa", {}),
+        ("lssar", {}),
+        ("lssar", {"p": 3.0}),
+        ("ssmax", {}),
+        ("softmax-qknorm-learned", {"n": 16}),
+        ("lssa-const", {"n": 16}),
+    ],
 )
 @pytest.mark.parametrize("n_kv_head", [None, 2])
 def test_incremental_decoding_matches_full_forward(attn, opts, n_kv_head):
@@ -66,6 +74,22 @@ def test_attention_can_be_switched_for_evaluation():
     assert not torch.allclose(base, sharp) and torch.equal(base, again)
     with pytest.raises(ValueError, match="cannot switch to ssmax"):
         model.set_attention("ssmax")
+    with pytest.raises(ValueError, match="cannot switch to softmax-qknorm-learned"):
+        model.set_attention("softmax-qknorm-learned")
+
+
+def test_learned_scale_is_a_per_head_parameter_that_trains():
+    """softmax-qknorm-learned: one s per head and layer, from 1 (the constant scale of n), in
+    the state dict under ssmax_s (as ssmax's), moved by a gradient step."""
+    model = _model("softmax-qknorm-learned", attn_options={"n": 16}).train()
+    s = model.blocks[0].attn.ssmax_s
+    assert s.shape == (4,) and torch.equal(s, torch.ones(4, dtype=torch.float64))
+    assert "blocks.1.attn.ssmax_s" in model.state_dict()
+    idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0
+    assert _model("softmax-qknorm-const").blocks[0].attn.ssmax_s is None
     with pytest.raises(ValueError, match="takes no option"):
         model.set_attention("relu", {"p": 3.0})
 
@@ -78,6 +102,8 @@ def test_attention_can_be_switched_for_evaluation():
         (dict(n_kv_head=3), "divisible by n_kv_head"),
         (dict(attn="nope"), "valid variants"),
         (dict(attn="ssmax", attn_options={"s": 1.0}), "learned parameter"),
+        (dict(attn="softmax-qknorm-learned", attn_options={"s": 1.0}), "learned parameter"),
+        (dict(attn="softmax-qknorm-const", attn_options={"n": 0}), "whole number >= 1"),
         # sizes that once reached a ZeroDivisionError, a torch shape error or a silent n_head
         (dict(n_head=0), r"n_head=0 must be a whole number >= 1"),
         (dict(n_head=-4), r"n_head=-4 must be"),

@@ -131,6 +131,21 @@ def test_config_forms_round_trip():
     assert AttentionSpec.from_config({"attn": "lssa"}) == AttentionSpec("lssa")  # keys missing
     with pytest.raises(ValueError, match="no field for the option"):
         AttentionSpec("sigmoid-l1", {"bias": 0.5}).to_train()
+    # the constant-scale arms carry their length n through TrainConfig.attn_n (and back)
+    const = AttentionSpec("softmax-qknorm-const", {"n": 128})
+    assert const.to_train() == {
+        "attn": "softmax-qknorm-const",
+        "attn_p": None,
+        "attn_impl": "auto",
+        "attn_n": 128,
+    }
+    cfg = TrainConfig(**const.to_train())
+    assert cfg.attention == const == model_config(cfg, 256).attention
+    assert (const.label, const.slug()) == (
+        "softmax-qknorm-const n=128",
+        "softmax-qknorm-const-n128",
+    )
+    assert TrainConfig(attn="lssa-const").attention.label == "lssa-const"  # the default n: 1024
 
 
 def test_model_runs_its_spec_and_set_attention_takes_both_forms():

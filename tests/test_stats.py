@@ -7,8 +7,10 @@ import pytest
 from scipy import stats as sp
 
 from lssar.studies.stats import (
+    Claim,
     holm,
     judge,
+    judge_claims,
     mean_ci,
     paired_ci,
     t95,
@@ -179,3 +181,70 @@ def test_judge_reads_claims_from_intervals(values, bounds, want):
 def test_judge_rejects_an_empty_range():
     with pytest.raises(ValueError, match="empty claim range"):
         judge(mean_ci([1.0, 2.0]), lo=1.0, hi=0.0)
+
+
+def test_claim_p_values_are_scipy_tests_against_the_criterion():
+    below = Claim("a - b < 0", [-0.15, -0.20, -0.25], "criterion < 0", hi=0.0)
+    assert below.raw() == (
+        "supported",
+        pytest.approx(sp.ttest_1samp([-0.15, -0.2, -0.25], 0).pvalue),
+    )
+    ratio = Claim("x <= 1.1", [1.19, 1.2, 1.21], "criterion <= 1.10", hi=1.10)
+    assert ratio.raw() == (
+        "contradicted",
+        pytest.approx(sp.ttest_1samp([1.19, 1.2, 1.21], 1.1).pvalue),
+    )
+    d = [0.001, -0.002, 0.0]
+    tie = Claim("a = b", d, "TOST", margin=0.02)
+    p = max(
+        sp.ttest_1samp(d, -0.02, alternative="greater").pvalue,
+        sp.ttest_1samp(d, 0.02, alternative="less").pvalue,
+    )
+    assert tie.raw() == ("supported", pytest.approx(p, rel=1e-9))
+    # the same mean with seeds that disagree: its 90% interval leaves the margin
+    wide = Claim("a = b", [0.03, -0.04, 0.007], "TOST", margin=0.02)
+    assert wide.raw()[0] == "not separable at this power"
+    far = Claim("a = b", [0.05, 0.06, 0.04], "TOST", margin=0.02)
+    assert far.raw() == (
+        "contradicted",
+        pytest.approx(sp.ttest_1samp([0.05, 0.06, 0.04], 0.02).pvalue),
+    )
+    assert Claim("one seed", [-0.5], "criterion < 0", hi=0.0).raw() == ("no interval", None)
+    with pytest.raises(ValueError, match="exactly one of lo, hi or margin"):
+        Claim("two bounds", [0.1, 0.2], "c", lo=-1.0, hi=1.0)
+
+
+def test_holm_over_the_declared_claims_says_which_verdicts_change():
+    marginal = Claim("marginal", [-0.15, -0.20, -0.25], "criterion < 0", hi=0.0)  # p = 0.020
+    clear = Claim("clear", [-0.30, -0.31, -0.29], "criterion < 0", hi=0.0)  # p < 0.001
+    noise = Claim("noise", [-0.3, 0.1, -0.1], "criterion < 0", hi=0.0)  # p = 0.48
+    tie = Claim("tie", [0.011, 0.013, 0.012], "TOST", margin=0.02)  # TOST p = 0.0026
+    # alone, the marginal claim keeps its verdict
+    assert judge_claims([marginal]) == [
+        ("supported", "supported", "p = 0.02; unchanged by Holm over the 1 declared claims")
+    ]
+    # Holm compares the k-th smallest of m p-values with 0.05 / (m - k + 1): with one larger p
+    # after it, 0.020 is held to 0.05 / 2 = 0.025 and kept
+    assert [j[1] for j in judge_claims([marginal, clear, clear, noise])] == [
+        "supported",
+        "supported",
+        "supported",
+        "within noise",
+    ]
+    # with two larger ones after it, to 0.05 / 3 = 0.0167: Holm drops it
+    family = [marginal, clear, tie, noise, noise]
+    judged = judge_claims(family)
+    assert judged[0] == (
+        "supported",
+        "within noise",
+        "p = 0.02; **Holm changes it** (raw: supported) over the 5 declared claims",
+    )
+    assert [j[1] for j in judged[1:]] == ["supported", "supported", "within noise", "within noise"]
+    assert all("unchanged" in j[2] for j in judged[1:])
+    # an equivalence claim Holm drops is "not separable", never "matches"
+    weak_tie = Claim("weak tie", [0.0, 0.012, 0.006], "TOST", margin=0.02)  # TOST p = 0.028
+    assert weak_tie.raw()[0] == "supported"
+    assert judge_claims([weak_tie, noise, noise, noise])[0][1] == "not separable at this power"
+    assert judge_claims([Claim("one", [1.0], "c", hi=0.0)]) == [
+        ("no interval", "no interval", "one seed: no test")
+    ]

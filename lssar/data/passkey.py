@@ -53,9 +53,23 @@ def passkey_sample(
     Filler text (real corpus tokens) surrounds ``KEY_TEMPLATE`` placed at relative ``depth``;
     the sequence ends with ``QUESTION`` followed by the key's tokens (the answer).
     """
+    ids, answer, _ = passkey_sample_at(tok, filler, length, depth, key, rng)
+    return ids, answer
+
+
+def passkey_sample_at(
+    tok, filler: np.ndarray, length: int, depth: float, key: str, rng: np.random.Generator
+) -> tuple[list[int], int, int]:
+    """:func:`passkey_sample` (the same probe from the same ``rng``) and where the key sits in
+    it: the index just after the template's ``" The pass key is"``, the key's first token (or,
+    for a byte tokenizer, the space before it). ``answer - key_at`` is how far back the answer
+    must reach: the distance a study splits probes by (within / beyond the training length)."""
+    cuts: list[int] = []
 
     def place(n_fill: int) -> tuple[int, int]:
-        return int(rng.integers(0, len(filler) - n_fill)), int(round(depth * n_fill))
+        cuts.append(int(round(depth * n_fill)))
+        return int(rng.integers(0, len(filler) - n_fill)), cuts[-1]
 
     context, ans = passkey_probe(tok, filler, length, key, place)
-    return context + ans, len(context)
+    lead = tok.encode(KEY_TEMPLATE.split("{key}")[0].rstrip())
+    return context + ans, len(context), cuts[0] + len(lead)

@@ -48,12 +48,19 @@ def scores(
     s = q @ k.transpose(-1, -2)  # (B, H, T_q, T_k)
     if variant.scaling == "log_n":
         return s * length_scale(n, d)
+    if variant.scaling == "const":  # ln(d) ln(n) for every row, times a learned s_h if any
+        c = variant.const_scale(d, options)
+        return s * (c if "s" not in options else _per_head(options["s"], s) * c)
     base = 1.0 / math.sqrt(d) if scale is None else scale
     if variant.scaling == "ssmax":
-        s_h = torch.as_tensor(options["s"], dtype=s.dtype, device=s.device)
-        s_h = s_h.reshape(-1, 1, 1) if s_h.dim() == 1 else s_h  # (H, 1, 1) per head
-        return s * (s_h * torch.log(n.clamp_min(1.0)) * base)
+        return s * (_per_head(options["s"], s) * torch.log(n.clamp_min(1.0)) * base)
     return s * base
+
+
+def _per_head(s_h: Any, like: Tensor) -> Tensor:
+    """A float or a per-head ``(H,)`` scale as a tensor broadcasting over ``(B, H, T_q, T_k)``."""
+    s_h = torch.as_tensor(s_h, dtype=like.dtype, device=like.device)
+    return s_h.reshape(-1, 1, 1) if s_h.dim() == 1 else s_h  # (H, 1, 1) per head
 
 
 def normalise(

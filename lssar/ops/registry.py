@@ -198,8 +198,8 @@ for _entry in (
         "sdpa",
         _sdpa,
         _softmax_family,
-        "torch SDPA kernels for softmax, ssmax, softmax-qknorm-logn (no p); ALiBi by query "
-        "blocks with a float bias per block",
+        "torch SDPA kernels for softmax, ssmax, softmax-qknorm-logn / -const / -learned (no p); "
+        "ALiBi by query blocks with a float bias per block",
         dropout=True,
         alibi=True,
     ),
@@ -406,8 +406,9 @@ def attention(
             absolute position ``T_k - T_q + t`` (KV cache) and sees keys ``0 .. T_k - T_q + t``.
             For ``T_q == T_k`` this is SDPA's causal mask; for ``T_q != T_k`` SDPA aligns top-left.
         scale: ``c`` in ``c q.k`` for the ``1/sqrt(d)`` variants (default ``1/sqrt(D)``); the
-            length-scaled variants (lssa, lssar, softmax-qknorm-logn) use ``ln(D) ln(N_i)`` and
-            reject ``scale``.
+            length-scaled variants (lssa, lssar, softmax-qknorm-logn) use ``ln(D) ln(N_i)``, the
+            constant-scale ones (softmax-qknorm-const / -learned, lssa-const) ``ln(D) ln(n)``,
+            and reject ``scale``.
         enable_gqa: grouped-query attention, ``H_q`` divisible by ``H_kv``.
         variant: a name from :func:`variants` (``"lssar"``, ``"lssa"``, ``"softmax"``, ...).
         impl: ``"auto"``, ``"reference"``, ``"chunked"``, ``"sdpa"`` (and ``"triton"``,
@@ -477,15 +478,15 @@ def _attention(
         empty = query[..., :0].sum() + key.sum() + value.sum()  # 0, keeps the graph
         return empty + query.new_zeros(query.shape[:-1] + value.shape[-1:])
     query, key, value = hide_unseen(query, key, value, attn_mask, is_causal)
-    if scale is not None and v.scaling == "log_n":
+    if scale is not None and v.scaling in ("log_n", "const"):
         raise ValueError(
-            f"variant {v.name!r} uses the length scale ln(D) ln(N_i) and takes no `scale`; "
+            f"variant {v.name!r} uses the length scale ln(D) ln(N) and takes no `scale`; "
             "pass scale=None"
         )
     if "s" in opts and isinstance(opts["s"], Tensor) and opts["s"].dim() == 1:
         if opts["s"].shape[0] not in (1, query.shape[1]):
             raise ValueError(
-                f"ssmax `s` must have one entry per query head ({query.shape[1]}), "
+                f"{v.name} `s` must have one entry per query head ({query.shape[1]}), "
                 f"got shape {tuple(opts['s'].shape)}"
             )
     return BACKENDS[impl].fn(

@@ -63,7 +63,15 @@ def sdpa_attention(
     fused_causal = attn_mask is None and (not is_causal or t_q == t_k)
     skip = fused_causal or alibi_slopes is not None  # the ALiBi blocks build their own masks
     mask = None if skip else combined_mask(attn_mask, is_causal, t_q, t_k, query.device)
-    if variant.scaling != "sdpa":
+    if variant.scaling == "const":  # one scale for every row, per head if learned
+        c = torch.tensor(variant.const_scale(d, options), dtype=compute_dtype(query.dtype))
+        c = c.to(query.device)
+        if "s" in options:
+            s_h = torch.as_tensor(options["s"], dtype=c.dtype, device=query.device)
+            c = c * (s_h.reshape(1, -1, 1, 1) if s_h.dim() == 1 else s_h)
+        query = (query.to(c.dtype) * c).to(dtype)
+        scale = 1.0
+    elif variant.scaling != "sdpa":
         n = visible_counts(attn_mask, is_causal, t_q, t_k, query.device)
         n = n.to(compute_dtype(query.dtype))
         if variant.scaling == "log_n":

@@ -4,8 +4,11 @@ A variant is the math; an implementation (``reference``, ``chunked``, ``sdpa``, 
 ``flex``) is the kernel. Every variant is ``weights = sharpen_p(normalise(scores))`` where
 
 - scores ``s_ij = c_i * q_i . k_j`` with ``q, k`` optionally L2-normalised and ``c_i`` one of
-  ``scale`` (default ``1/sqrt(d)``), ``ln(d) ln(N_i)`` (LSSA's length scale) or
-  ``s_h ln(N_i) scale`` (Scalable-Softmax);
+  ``scale`` (default ``1/sqrt(d)``), ``ln(d) ln(N_i)`` (LSSA's length scale),
+  ``s_h ln(N_i) scale`` (Scalable-Softmax) or the constant ``ln(d) ln(n)``: LSSA's scale frozen at
+  one length ``n`` (the training length, an option), times a learned per-head ``s_h`` for the
+  variants that take ``s`` (the decomposition arms that separate QK-norm from the ``ln N_i``
+  growth);
 - ``phi`` maps scores to non-negative weights (exp, softplus, relu, sigmoid), optionally
   l1-normalised per row;
 - sharpening (re-weighting, METHOD.md section 4) with power ``p`` applies to l1-normalised rows.
@@ -23,7 +26,7 @@ from lssar.ops.common import finite
 
 PHIS = ("exp", "softplus", "relu", "sigmoid")
 
-SCALINGS = ("sdpa", "log_n", "ssmax")
+SCALINGS = ("sdpa", "log_n", "ssmax", "const")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,12 @@ class Variant:
             and not self.divide_by_n
         )
 
+    def const_scale(self, d: int, options: dict[str, Any]) -> float:
+        """``ln(d) ln(n)``: the ``const`` scaling's row scale (before any learned ``s_h``)."""
+        if self.scaling != "const":
+            raise ValueError(f"variant {self.name!r} has no constant scale")
+        return math.log(d) * math.log(options["n"])
+
     def softplus_scale(self, d: int, scale: float | None) -> tuple[float, bool]:
         """``(c, log_n)`` for the fused kernels: ``c_i = c ln(N_i)`` if ``log_n`` else ``c``."""
         if self.scaling == "log_n":
@@ -81,6 +90,12 @@ class Variant:
         bias = resolved.get("bias")
         if bias is not None and not (isinstance(bias, (int, float)) and finite(bias)):
             raise ValueError(f"bias must be a finite float or None, got {bias!r}")
+        n = resolved.get("n")
+        if "n" in self.options and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise ValueError(
+                f"n (the length whose scale ln(d) ln(n) is frozen, e.g. the training length) "
+                f"must be a whole number >= 1, got {n!r}"
+            )
         s = resolved.get("s")
         if "s" in self.options and s is not None:
             if not isinstance(s, (torch.Tensor, int, float)):
@@ -92,7 +107,7 @@ class Variant:
             elif torch.compiler.is_compiling():
                 # reading s on the host breaks the graph (a learnable s is traced): the compiled
                 # graph checks it when it runs instead, raising a RuntimeError there
-                torch._assert_async(torch.isfinite(s).all(), "ssmax s must be finite")
+                torch._assert_async(torch.isfinite(s).all(), "a learned s must be finite")
                 ok = True
             else:
                 ok = bool(torch.isfinite(s).all())
@@ -181,6 +196,37 @@ VARIANTS: dict[str, Variant] = {
             True,
             scaling="log_n",
             qk_norm=True,
+        ),
+        # the decomposition of softmax-qknorm-logn and LSSA (METHOD.md section 6): QK-norm with
+        # LSSA's scale frozen at one length n, so only "grows with ln N_i" separates them from
+        # the log_n variants; n defaults to the paper's training length, 1024
+        _v(
+            "softmax-qknorm-const",
+            "softmax(ln d ln n cos(q,k)): QK-norm softmax, LSSA's scale fixed at length n",
+            "exp",
+            True,
+            scaling="const",
+            qk_norm=True,
+            options={"n": 1024},
+        ),
+        _v(
+            "softmax-qknorm-learned",
+            "softmax(s_h ln d ln n cos(q,k)): QK-norm softmax, a learned per-head scale "
+            "(s_h from 1: at init the constant scale of length n)",
+            "exp",
+            True,
+            scaling="const",
+            qk_norm=True,
+            options={"n": 1024, "s": 1.0},
+        ),
+        _v(
+            "lssa-const",
+            "softplus(ln d ln n cos(q,k)), l1: LSSA with its scale fixed at length n",
+            "softplus",
+            True,
+            scaling="const",
+            qk_norm=True,
+            options={"n": 1024},
         ),
     )
 }

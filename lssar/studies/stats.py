@@ -14,7 +14,9 @@ alike. From that interval:
 - :func:`holm` corrects a family of declared claims for multiplicity (Holm's step-down
   procedure on the paired t-tests' p-values, :func:`t_test`);
 - :func:`tost` is the only way to say two arms *match*: the two one-sided tests against a stated
-  margin (equivalently, the 90% interval inside ``(-margin, margin)``).
+  margin (equivalently, the 90% interval inside ``(-margin, margin)``);
+- :class:`Claim` and :func:`judge_claims` apply all of it to a study's declared list: each claim
+  judged from its interval (or TOST), then Holm over the list, saying which verdicts change.
 
 The Student-t distribution is computed here (:func:`t_cdf`, :func:`t_ppf`, from the
 regularised incomplete beta function) so the library needs no scipy; the tests check every
@@ -269,3 +271,70 @@ def tost(
         p_high = t_cdf((iv.mean - margin) / se, iv.n - 1)  # H0: mean >= margin
         p = max(p_low, p_high)
     return Equivalence(iv.mean, iv.lo, iv.hi, margin, p, p < alpha)
+
+
+# ------------------------------------------------------------------ declared claims
+
+NOT_SEPARABLE = "not separable at this power"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One declared claim of the paper, on per-seed values (a ratio, or a difference paired by
+    seed): ``lo``/``hi`` bound a directional claim ("the value lies in (lo, hi)"); ``margin``
+    makes it an equivalence claim ("|value| < margin", judged by TOST)."""
+
+    text: str
+    values: list[float]
+    criterion: str
+    digits: int = 3
+    lo: float = -math.inf
+    hi: float = math.inf
+    margin: float | None = None
+
+    def __post_init__(self) -> None:
+        # one criterion per claim, so its test (and its p-value for Holm) is unambiguous
+        given = [math.isfinite(self.lo), math.isfinite(self.hi), self.margin is not None]
+        if sum(given) != 1:
+            raise ValueError(f"claim {self.text!r}: give exactly one of lo, hi or margin")
+
+    def raw(self) -> tuple[str, float | None]:
+        """(verdict before the multiplicity correction, the p-value of its deciding test).
+
+        Directional: :func:`judge` of the 95% interval; p of the t-test of the value against the
+        bound. Equivalence: *supported* when TOST rejects both one-sided nulls, *contradicted*
+        when the 95% interval lies wholly outside the margin (p: the t-test against the nearer
+        bound), else *not separable at this power* (p: TOST's)."""
+        iv = mean_ci(self.values)
+        if iv.lo is None:
+            return "no interval", None
+        if self.margin is not None:
+            eq = tost(self.values, margin=self.margin)
+            bound = self.margin if iv.mean > 0 else -self.margin
+            if judge(iv, lo=-self.margin, hi=self.margin) == "contradicted":
+                return "contradicted", mean_ci([v - bound for v in self.values]).p
+            return ("supported" if eq.equivalent else NOT_SEPARABLE), eq.p
+        bound = self.hi if math.isfinite(self.hi) else self.lo
+        return judge(iv, lo=self.lo, hi=self.hi), mean_ci([v - bound for v in self.values]).p
+
+
+def judge_claims(claims: list[Claim], alpha: float = 0.05) -> list[tuple[str, str, str]]:
+    """Per claim: (raw verdict, verdict after Holm's correction over the whole declared list,
+    a note with the p-value and whether Holm changed the verdict). A raw *supported* or
+    *contradicted* whose test Holm does not reject becomes *within noise* (*not separable at
+    this power* for an equivalence claim)."""
+    raws = [c.raw() for c in claims]
+    rejected = holm([p for _, p in raws], alpha)
+    m = sum(p is not None for _, p in raws)
+    out = []
+    for c, (raw, p), rej in zip(claims, raws, rejected):
+        if p is None:
+            out.append((raw, raw, "one seed: no test"))
+            continue
+        final = raw
+        if raw in ("supported", "contradicted") and not rej:
+            final = NOT_SEPARABLE if c.margin is not None else "within noise"
+        change = "unchanged by Holm" if final == raw else f"**Holm changes it** (raw: {raw})"
+        shown = "p < 0.0001" if p < 1e-4 else f"p = {p:.2g}"
+        out.append((raw, final, f"{shown}; {change} over the {m} declared claims"))
+    return out

@@ -67,6 +67,9 @@ class TrainConfig:
     pos: str = "rope"  # positions: rope | alibi (softmax family) | nope; older runs: rope
     attn: str = "softmax"
     attn_p: float | None = None  # -> attn_options {"p": ...}; None = the variant's default
+    # -> attn_options {"n": ...}: the length whose scale the constant-scale variants freeze
+    # (softmax-qknorm-const / -learned, lssa-const); None = the variant's default
+    attn_n: int | None = None
     attn_impl: str = "auto"
     # optimisation
     seq_len: int = 128
@@ -98,7 +101,7 @@ class TrainConfig:
 
     @property
     def attention(self) -> AttentionSpec:
-        """``attn`` + ``attn_p`` + ``attn_impl`` as one spec (validated)."""
+        """``attn`` + ``attn_p`` + ``attn_n`` + ``attn_impl`` as one spec (validated)."""
         return AttentionSpec.from_config(self)
 
 

@@ -24,17 +24,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lssar.data import get_tokenizer, iter_eval_windows, load_split, read_manifest
 from lssar.data.manifest import manifest_files
-from lssar.data.passkey import passkey_sample
 from lssar.model import GPT, sliding_window_mask
 from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest
 from lssar.studies.lm.figures import label_of, plot_results
+from lssar.studies.lm.passkey import (
+    PASSKEY_DEPTHS,
+    PasskeySettings,
+    passkey_finetune,
+    passkey_scores,
+)
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 TOKENS_PER_BATCH = 8192  # rows per forward = this // length (memory stays flat across lengths)
@@ -42,6 +46,7 @@ N_POSITION_BUCKETS = 32
 # what an evaluation's numbers depend on besides the run: a change here recomputes cached results
 _EVAL_SOURCES = (
     "studies/lm/evaluate.py",
+    "studies/lm/passkey.py",
     "model.py",
     "positions.py",
     "spec.py",
@@ -143,38 +148,78 @@ def loss_vs_length(
     }
 
 
+N_ROW_BINS = 16  # row-position bins of the diagnostics' profile along the window
+
+
+def _row_bins(t: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of up to :data:`N_ROW_BINS` equal runs of rows of a length-``t`` window."""
+    edges = np.linspace(0, t, min(N_ROW_BINS, t) + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
 @torch.inference_mode()
 def attention_diagnostics(
-    model: GPT, val: np.ndarray, lengths: list[int], n_windows: int = 8, window: int | None = None
+    model: GPT,
+    val: np.ndarray,
+    lengths: list[int],
+    n_windows: int = 8,
+    window: int | None = None,
+    train_len: int | None = None,
 ) -> dict[str, Any]:
-    """Per length and layer: mean row entropy (nats) and mean attention mass on the first token,
-    averaged over ``n_windows`` windows spread over the split, beside what uniform attention over
-    the same visible keys gives (``uniform_entropy`` = mean ln N_i, ``uniform_sink`` = mean 1/N_i):
+    """Per length: mean row entropy (nats) and mean attention mass on the first token, averaged
+    over ``n_windows`` windows spread over the split, beside what uniform attention over the
+    same visible keys gives (``uniform_entropy`` = mean ln N_i, ``uniform_sink`` = mean 1/N_i):
     a sink has formed only where the first-token mass is above the uniform one.
+
+    A mean over every row is dominated by the early rows (a 16x window has 15 rows beyond the
+    training length for every row within it, yet the row mean hides how those late rows
+    behave), so besides the per-layer means over all rows (``entropy``, ``sink``) it gives
+    them over the rows beyond ``train_len`` (default: the shortest length; ``entropy_beyond``,
+    ``sink_beyond`` and their uniform values; None when no row is beyond) and a profile along
+    the window (``row_bins``: ``[start, end)`` rows; ``entropy_by_row``, ``sink_by_row`` and
+    their uniform values, each a mean over layers, heads, windows and the bin's rows).
 
     Uses the materialised weights (the reference path), one window per forward, so keep the
     lengths moderate.
     """
     mask_for = window_of(window)
+    limit = min(lengths) if train_len is None else train_len
+    n_layer = model.cfg.n_layer
     out: dict[str, Any] = {}
     for t in lengths:
         mask = mask_for(t)
         visible = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask
         n_i = visible.sum(-1).double()  # (T,) keys each row sees
-        ent, sink, count = np.zeros(model.cfg.n_layer), np.zeros(model.cfg.n_layer), 0
+        u_ent, u_sink = n_i.log(), visible[:, 0] / n_i  # (T,) uniform attention's values
+        beyond = torch.arange(t) >= limit  # (T,) rows past the training length
+        ent, sink = np.zeros((n_layer, t)), np.zeros((n_layer, t))  # summed over windows
+        count = 0
         for x, _ in iter_eval_windows(val, t, n_windows * t):
             weights: list[torch.Tensor] = []
             model(x, weights=weights, attn_mask=mask)
             for i, w in enumerate(weights):  # (1, H, T, T)
-                ent[i] += float(-(w * torch.log(w.clamp_min(1e-30))).sum(-1).mean())
-                sink[i] += float(w[..., 0].mean())
+                row_ent = -(w * torch.log(w.clamp_min(1e-30))).sum(-1)  # (1, H, T)
+                ent[i] += row_ent.mean((0, 1)).double().numpy()
+                sink[i] += w[..., 0].mean((0, 1)).double().numpy()
             count += 1
+        ent, sink = ent / count, sink / count  # (L, T) per layer and row
+        far = beyond.numpy()
+        bins = _row_bins(t)
         out[str(t)] = {
-            "entropy": (ent / count).tolist(),
-            "sink": (sink / count).tolist(),
+            "entropy": ent.mean(1).tolist(),
+            "sink": sink.mean(1).tolist(),
             "windows": count,
-            "uniform_entropy": float(n_i.log().mean()),
-            "uniform_sink": float((visible[:, 0] / n_i).mean()),
+            "uniform_entropy": float(u_ent.mean()),
+            "uniform_sink": float(u_sink.mean()),
+            "entropy_beyond": ent[:, far].mean(1).tolist() if far.any() else None,
+            "sink_beyond": sink[:, far].mean(1).tolist() if far.any() else None,
+            "uniform_entropy_beyond": float(u_ent[beyond].mean()) if far.any() else None,
+            "uniform_sink_beyond": float(u_sink[beyond].mean()) if far.any() else None,
+            "row_bins": [list(b) for b in bins],
+            "entropy_by_row": [float(ent[:, a:b].mean()) for a, b in bins],
+            "sink_by_row": [float(sink[:, a:b].mean()) for a, b in bins],
+            "uniform_entropy_by_row": [float(u_ent[a:b].mean()) for a, b in bins],
+            "uniform_sink_by_row": [float(u_sink[a:b].mean()) for a, b in bins],
         }
     return out
 
@@ -198,121 +243,6 @@ def numerical_health(
                 "abs_error_vs_fp64": abs(float(loss) - float(ref)),
             }
     return result
-
-
-# --------------------------------------------------------------------------------- passkey
-
-
-def _passkey_batch(tok, filler, length, n, rng, depth=None, digits=5):
-    seqs, starts = [], []
-    for _ in range(n):
-        key = str(int(rng.integers(10 ** (digits - 1), 10**digits)))
-        d = float(rng.uniform(0, 1)) if depth is None else depth
-        ids, a = passkey_sample(tok, filler, length, d, key, rng)
-        seqs.append(ids)
-        starts.append(a)
-    x = torch.tensor(seqs, dtype=torch.long)
-    return x, starts
-
-
-PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
-
-
-@dataclasses.dataclass(frozen=True)
-class PasskeySettings:
-    """How passkey is trained and scored: fine-tuning at the training length until ``target``
-    accuracy (at most ``max_steps``), then ``trials`` probes per (length, depth); keys of
-    ``digits`` digits."""
-
-    max_steps: int = 300
-    target: float = 0.9
-    check_every: int = 100
-    lr: float = 1e-3
-    batch_size: int = 16
-    digits: int = 5
-    trials: int = 10
-
-
-def passkey_finetune(
-    model: GPT,
-    tok,
-    filler: np.ndarray,
-    length: int,
-    settings: PasskeySettings = PasskeySettings(),
-    check_trials: int = 16,
-    seed: int = 0,
-    progress: bool = True,
-) -> tuple[GPT, dict[str, Any]]:
-    """Fine-tune a copy of ``model`` on passkey probes at ``length`` until it retrieves the key.
-
-    The loss is on the answer tokens only; keys (``settings.digits`` digits) and depths are
-    random. Every ``settings.check_every`` steps, greedy accuracy on ``check_trials`` fresh probes
-    per depth from ``filler`` (the training text, never the test text) at ``PASSKEY_DEPTHS``; it
-    stops at ``settings.target`` or after ``settings.max_steps``. Returns the tuned model and
-    ``{"steps", "check_accuracy", "reached"}``.
-    """
-    max_steps, target, digits = settings.max_steps, settings.target, settings.digits
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-    rng = np.random.default_rng(seed)
-    acc, step = 0.0, 0
-    bar = tqdm(total=max_steps, desc="passkey fine-tune", disable=not progress, leave=False)
-    while step < max_steps:
-        x, starts = _passkey_batch(tok, filler, length, settings.batch_size, rng, digits=digits)
-        logits, _ = model(x[:, :-1])
-        mask = torch.zeros_like(x[:, 1:], dtype=torch.bool)
-        for i, a in enumerate(starts):
-            mask[i, a - 1 :] = True
-        loss = F.cross_entropy(logits.float()[mask], x[:, 1:][mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update()
-        if step % settings.check_every == 0 or step == max_steps:
-            model.eval()
-            depths = list(PASSKEY_DEPTHS)
-            grid = passkey_accuracy(
-                model, tok, filler, [length], depths, check_trials, seed + step, digits=digits
-            )
-            acc = float(np.mean(list(grid[str(length)].values())))
-            model.train()
-            bar.set_postfix(acc=f"{acc:.0%}")
-            if acc >= target:
-                break
-    bar.close()
-    return model.eval(), {"steps": step, "check_accuracy": acc, "reached": acc >= target}
-
-
-@torch.inference_mode()
-def passkey_accuracy(
-    model: GPT,
-    tok,
-    filler: np.ndarray,
-    lengths: list[int],
-    depths: list[float],
-    trials: int,
-    seed: int = 1,
-    digits: int = 5,
-    window: int | None = None,
-) -> dict[str, Any]:
-    """Greedy exact-match accuracy of the key, per length and depth (``trials`` probes each)."""
-    rng = np.random.default_rng(seed)
-    mask_for = window_of(window)
-    acc: dict[str, dict[str, float]] = {}
-    for t in lengths:
-        acc[str(t)] = {}
-        mask = mask_for(t - 1)
-        for d in depths:
-            x, starts = _passkey_batch(tok, filler, t, trials, rng, depth=d, digits=digits)
-            hits = 0
-            for i in range(trials):  # one probe per forward keeps memory flat at long lengths
-                logits, _ = model(x[i : i + 1, :-1], attn_mask=mask)
-                pred = logits[0, starts[i] - 1 :].argmax(-1)
-                hits += bool(torch.equal(pred, x[i, starts[i] :]))
-            acc[str(t)][f"{d:g}"] = hits / trials
-    return acc
 
 
 # ------------------------------------------------------------------------------ run-level
@@ -434,7 +364,7 @@ def evaluate_run(
     result.update(loss_vs_length(model, val, train_len, multiples, eval_tokens, progress, window))
     if diagnostics:
         result["diagnostics"] = attention_diagnostics(
-            model, val, lengths, diagnostic_windows, window
+            model, val, lengths, diagnostic_windows, window, train_len
         )
     if health:
         result["numerical_health"] = numerical_health(model, val, lengths[-1], window)
@@ -446,7 +376,7 @@ def evaluate_run(
         )
         result["passkey"] = {
             **fit,
-            "accuracy": passkey_accuracy(
+            **passkey_scores(
                 tuned,
                 tok,
                 val,
@@ -455,6 +385,7 @@ def evaluate_run(
                 passkey.trials,
                 digits=passkey.digits,
                 window=window,
+                train_len=train_len,
             ),
         }
     atomic_write(out_dir / "results.md", results_markdown(result))
@@ -508,6 +439,15 @@ def results_markdown(r: dict[str, Any]) -> str:
             f"Passkey: fine-tuned {pk['steps']} steps at the training length; accuracy on "
             f"training-text probes {pk['check_accuracy']:.0%} "
             f"({'reached' if pk['reached'] else 'did not reach'} the target).",
+        ]
+        if "by_distance" in pk:
+            lines += ["", "| length | key within L: hits / probes | beyond L |", "|---|---|---|"]
+            for t, b in pk["by_distance"].items():
+                lines.append(
+                    f"| {t} | {b['within']['hits']} / {b['within']['n']} | "
+                    f"{b['beyond']['hits']} / {b['beyond']['n']} |"
+                )
+        lines += [
             "",
             "| length | " + " | ".join(f"depth {d}" for d in depths) + " |",
             "|---" * (len(depths) + 1) + "|",
@@ -541,9 +481,15 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, default=65536, help="validation tokens per length")
     ap.add_argument("--passkey", action="store_true", help="also fine-tune and test passkey")
     dflt = PasskeySettings()
-    most = "most fine-tuning steps (it stops once it reaches --passkey-target)"
-    ap.add_argument("--passkey-steps", type=int, default=dflt.max_steps, help=most)
-    ap.add_argument("--passkey-target", type=float, default=dflt.target)
+    ap.add_argument(
+        "--passkey-steps", type=int, default=dflt.steps, help="fine-tuning steps (no early stop)"
+    )
+    ap.add_argument(
+        "--passkey-target",
+        type=float,
+        default=dflt.target,
+        help="accuracy at the training length below which the task counts as not learned",
+    )
     ap.add_argument("--passkey-digits", type=int, default=dflt.digits)
     ap.add_argument("--no-diagnostics", action="store_true")
     ap.add_argument("--tag", help="name of the output folder under RUN/eval/")
@@ -553,7 +499,8 @@ def cli(argv: list[str]) -> int:
         raise FileNotFoundError(f"run directory {run} does not exist; train one with lssar train")
     pk = dataclasses.replace(
         dflt,
-        max_steps=args.passkey_steps,
+        steps=args.passkey_steps,
+        warmup_steps=min(dflt.warmup_steps, args.passkey_steps),
         target=args.passkey_target,
         digits=args.passkey_digits,
     )

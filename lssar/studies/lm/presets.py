@@ -15,12 +15,20 @@ from dataclasses import dataclass, field
 from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
 from lssar.spec import AttentionSpec, run_label
 from lssar.studies.common import Arm, EvalRule, arm_table, select_arms
-from lssar.studies.lm.evaluate import PasskeySettings
+from lssar.studies.lm.passkey import PasskeySettings
 
 SOFTMAX, SIGMOID, RELU = AttentionSpec("softmax"), AttentionSpec("sigmoid"), AttentionSpec("relu")
 SOFTPLUS_L1, LSSA = AttentionSpec("softplus-l1"), AttentionSpec("lssa")
 LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p": 15.0})
 QKNORM, SSMAX = AttentionSpec("softmax-qknorm-logn"), AttentionSpec("ssmax")
+# the decomposition of softmax-qknorm-logn and LSSA (issue #25): each differs from a neighbour in
+# one thing. The constant-scale variants freeze ln d ln n at n = the training length: the runner
+# sets n from the run's seq_len (:func:`lssar.studies.lm.reproduce.at_training_length`), so
+# their trained labels read "softmax-qknorm-const n=128"
+QK_CONST = AttentionSpec("softmax-qknorm-const")
+QK_LEARNED = AttentionSpec("softmax-qknorm-learned")
+LSSA_CONST = AttentionSpec("lssa-const")
+QKNORM15 = AttentionSpec("softmax-qknorm-logn", {"p": 15.0})
 # the paper's fine-tuning-free mode: re-weighting applied to the LSSA model at evaluation only
 EVAL_REWEIGHT = tuple(AttentionSpec("lssar", {"p": p}) for p in (1.0, 3.0, 8.0, 15.0))
 # the practitioner's training-free RoPE scalings, each at factor = the length multiple (auto)
@@ -47,6 +55,20 @@ _PAPER = (
     Arm(QKNORM.label, QKNORM, "softmax of the length-scaled cosine (LSSA's scale)"),
     Arm(SSMAX.label, SSMAX, "Scalable-Softmax: learned s_h · ln N"),
 )
+_DECOMPOSITION = (
+    Arm(
+        QK_CONST.label,
+        QK_CONST,
+        "softmax of the cosine at LSSA's scale frozen at the training length, ln d ln L",
+    ),
+    Arm(
+        QK_LEARNED.label,
+        QK_LEARNED,
+        "softmax of the cosine with a learned per-head scale s_h ln d ln L (s_h from 1)",
+    ),
+    Arm(LSSA_CONST.label, LSSA_CONST, "LSSA with its scale frozen at the training length"),
+    Arm(QKNORM15.label, QKNORM15, "softmax-qknorm-logn + re-weighting p = 15"),
+)
 _ALTERNATIVES = (
     # what a practitioner would use instead (issue #24): positions trained in...
     Arm("softmax + alibi", SOFTMAX, "softmax with ALiBi instead of RoPE", pos="alibi"),
@@ -58,9 +80,12 @@ _ALTERNATIVES = (
         for kind, r in ROPE_EVALS.items()
     ),
 )
-ARMS = arm_table(*_PAPER, *_ALTERNATIVES)
+ARMS = arm_table(*_PAPER, *_DECOMPOSITION, *_ALTERNATIVES)
 # the arms the paper compares (METHOD.md section 6), and the window control
 PAPER_ARMS = [a.name for a in _PAPER]
+# the arms that separate QK-norm, the ln N growth, Softplus-l1 and re-weighting (with the cpu arms
+# they are compared with)
+DECOMPOSITION_ARMS = [a.name for a in _DECOMPOSITION]
 # the practitioner's alternatives, as arms and as the labels of their results (the report's
 # "LSSAR against the practitioner's alternatives" section)
 ALTERNATIVE_ARMS = [a.name for a in _ALTERNATIVES]
@@ -95,8 +120,10 @@ class Preset:
 # One-digit keys: a byte tokenizer spends a token per digit, and copying several in a row needs an
 # induction circuit this 450-step model lacks (pilot: 2 digits, 600 fine-tuning steps, <= 23% at
 # 1x); one digit learned to 100% within 200 steps. The paper's 5-digit keys are 1-2 GPT-2 tokens.
+# Every arm gets the same 600 steps (3x what the pilot needed; the early-stopping checks of
+# earlier reports stopped arms after 100-500), warmed up over the first 60.
 PASSKEY_CPU = PasskeySettings(
-    max_steps=1000, check_every=100, lr=3e-3, batch_size=32, digits=1, trials=20
+    steps=600, warmup_steps=60, lr=3e-3, batch_size=32, digits=1, trials=20
 )
 
 PRESETS = {
@@ -116,8 +143,13 @@ PRESETS = {
         seeds=[0, 1, 2],
         eval_tokens=32768,
         passkey=PASSKEY_CPU,
-        passkey_arms=[SOFTMAX.label, LSSA.label, LSSAR15.label, QKNORM.label],
-        budget="~100 min on 2 CPU cores",
+        # the window control too: beyond L it cannot see the key, so it bounds what "retrieves
+        # beyond the training length" can mean at chance
+        passkey_arms=[SOFTMAX.label, WINDOW, LSSA.label, LSSAR15.label, QKNORM.label],
+        # ~100 min measured with early-stopped passkey (100-500 steps, 4 arms); 600 fixed steps
+        # for 5 arms x 3 seeds add ~5,400 fine-tuning steps, each about a tiny-cpu training
+        # step (0.4-1 s at one thread, by load): +20-45 min with two workers
+        budget="~120-150 min on 2 CPU cores with --jobs 2",
     ),
     # the practitioner's alternatives (issue #24) beside softmax and LSSAR p=15, on the cpu
     # preset's runs and evaluations (same runs directory, same evaluation settings: its softmax
@@ -137,6 +169,60 @@ PRESETS = {
         budget="~45 min on 2 CPU cores after cpu (reuses its softmax and LSSAR p=15 runs and "
         "evaluations), ~80 min on its own",
         eval_folder="cpu",
+    ),
+    # the decomposition (issue #25) beside the cpu arms it is measured against, on cpu's runs and
+    # evaluations (same runs directory, evaluation folder and passkey arms: its softmax,
+    # softmax-qknorm-logn, lssa and lssar p=15 results are reused, not recomputed)
+    "cpu-decomposition": Preset(
+        "what each ingredient does, one change at a time: QK-norm with a constant scale "
+        "(ln d ln L) and with a learned per-head scale, the ln N growth given QK-norm, "
+        "Softplus-l1 given each scale, and re-weighting p = 15 on softmax-qknorm-logn, 3 seeds",
+        "tiny-cpu",
+        [
+            SOFTMAX.label,
+            QK_CONST.label,
+            QK_LEARNED.label,
+            QKNORM.label,
+            LSSA_CONST.label,
+            LSSA.label,
+            QKNORM15.label,
+            LSSAR15.label,
+        ],
+        seeds=[0, 1, 2],
+        eval_tokens=32768,
+        passkey=PASSKEY_CPU,
+        passkey_arms=[SOFTMAX.label, LSSA.label, LSSAR15.label, QKNORM.label],
+        # 12 new runs (4 arms x 3 seeds). Measured at one thread on the 2-core machine under a
+        # load of ~6: 30 tiny-cpu steps at 0.65 (learned), 0.87 (lssa-const), 1.07 (softmax,
+        # standing in for softmax-qknorm-const) and 1.33 s/step (softmax-qknorm-logn p=15), so
+        # ~26 min of training per seed; evaluations at cpu's settings 52 s (softmax), 199 s
+        # (lssa-const) and 303 s (p=15), both of the last on the materialised reference at 16x:
+        # ~10 min per seed. ~110 min at one thread, ~55 min with two workers
+        budget="~55 min on 2 CPU cores with --jobs 2 after cpu (reuses its softmax, "
+        "softmax-qknorm-logn, lssa and lssar p=15 runs and evaluations)",
+        eval_folder="cpu",
+    ),
+    # the paper's head dimension (d = 64) within CPU reach (issue #25): the decisive arms, trained
+    # 4x longer than cpu, on their own runs (another training preset: another runs directory)
+    "cpu-paper-regime": Preset(
+        "the paper's head dimension d = 64 (4 layers x 2 heads x 128 wide, 1,800 steps): "
+        "softmax, its sliding-window control, softmax-qknorm-logn, lssa, lssar p=15 and the "
+        "practitioner's ALiBi, 3 seeds, passkey on softmax, its window control and lssar p=15",
+        "paper-regime-cpu",
+        [SOFTMAX.label, WINDOW, QKNORM.label, LSSA.label, LSSAR15.label, "softmax + alibi"],
+        seeds=[0, 1, 2],
+        eval_tokens=32768,
+        passkey=PASSKEY_CPU,
+        passkey_arms=[SOFTMAX.label, WINDOW, LSSAR15.label],
+        # measured: 30 steps of paper-regime-cpu at one thread on the 2-core machine while
+        # another experiment ran (load 3-6), with warm-up: 0.55 (softmax), 0.53 (lssa), 0.60
+        # (lssar p=15), 0.67 (softmax-qknorm-logn) and 0.30 s/step (softmax + alibi, at a quieter
+        # moment): ~80 min of training per seed, ~240 min for 3 seeds at one thread, ~120 min
+        # with two workers; plus evaluations (~1-2 min per result, 18 results) and 9 passkey
+        # fine-tunings of 600 steps (~4-5 min each): ~2.5-3 h wall in all; an idle machine is
+        # faster
+        budget="~2.5-3 h on 2 CPU cores with --jobs 2 (estimated from 30 measured steps per "
+        "arm at one thread)",
     ),
     "paper": Preset(
         "GPT-2 124M on FineWeb 10B tokens at T=1024 (the paper's setting): a GPU cluster job",

@@ -16,10 +16,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lssar.ops.registry import get_variant
+from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, run_units, units_by_run
 from lssar.studies.lm.evaluate import evaluate_run
 from lssar.studies.lm.presets import ARMS, PRESETS, Preset
 from lssar.studies.lm.report import write_report
+
+
+def at_training_length(spec: AttentionSpec, seq_len: int) -> AttentionSpec:
+    """``spec`` with ``n`` = the training length for a constant-scale variant that does not set
+    it (softmax-qknorm-const / -learned, lssa-const: LSSA's scale frozen at ln d ln L); any
+    other spec unchanged."""
+    if "n" in get_variant(spec.name).options and "n" not in spec.options:
+        return AttentionSpec(spec.name, {**spec.options, "n": seq_len}, spec.impl)
+    return spec
 
 
 def _run_name(preset: str, arm: Arm, seed: int) -> str:
@@ -31,6 +42,9 @@ def _run_name(preset: str, arm: Arm, seed: int) -> str:
 
 def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
     """The torchrun and eval commands of the paper preset (one line each, one per run)."""
+    from lssar.train.config import load_config
+
+    paper_len = load_config(preset.train_preset, {}).seq_len
     cmds: list[str] = []
     seen: set[str] = set()
     for a in preset.arms:
@@ -38,8 +52,10 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
         if name in seen:  # a run two arms share (softmax and its window control)
             continue
         seen.add(name)
-        p = arm.attention.to_train()["attn_p"]
+        train = at_training_length(arm.attention, paper_len).to_train()
+        p, n = train["attn_p"], train.get("attn_n")
         flags = f"--attn={arm.attention.name}" + ("" if p is None else f" --attn_p={p:g}")
+        flags += "" if n is None else f" --attn_n={n}"
         flags += "" if arm.pos == "rope" else f" --pos={arm.pos}"
         cmds.append(
             f"torchrun --standalone --nproc_per_node=8 -m lssar train --preset "
@@ -52,9 +68,9 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
 def evaluate_arm(
     preset_name: str, arm: Arm, run: Path, train_len: int, progress: bool = True
 ) -> list[dict[str, Any]]:
-    """The evaluations of one trained run for ``arm``: its own rule (with passkey if ``arm`` is
-    one of the preset's passkey arms), or the sliding window of the training length for the
-    window control (none for an arm of eval-only rules), then the arm's eval-only rules (the
+    """The evaluations of one trained run for ``arm``: its own rule, or the sliding window of
+    the training length for the window control (with passkey if ``arm`` is one of the preset's
+    passkey arms; none for an arm of eval-only rules), then the arm's eval-only rules (the
     paper's fine-tuning-free re-weighting, the RoPE scalings). They go to
     ``RUN/eval/<folder>/`` (the preset's name unless it shares another's): presets that share a
     training run (quick and cpu) keep their own evaluations."""
@@ -67,10 +83,11 @@ def evaluate_arm(
     )
     pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
     out = []
+    passkey = preset.passkey if arm.name in pk_arms else None
     if arm.window:
-        out = [evaluate_run(run, window=train_len, **kw)]
+        out = [evaluate_run(run, window=train_len, passkey=passkey, **kw)]
     elif arm.own_rule:
-        out = [evaluate_run(run, passkey=preset.passkey if arm.name in pk_arms else None, **kw)]
+        out = [evaluate_run(run, passkey=passkey, **kw)]
     for rule in arm.evals:
         a, r = rule.attention, rule.rope
         out.append(
@@ -101,10 +118,11 @@ def _train_and_evaluate(
     from lssar.train.config import load_config, parse_overrides
 
     preset, arm = PRESETS[preset_name], ARMS[arm_names[0]]
+    seq_len = load_config(preset.train_preset, parse_overrides(overrides)).seq_len
     cfg = load_config(
         preset.train_preset,
         {
-            **arm.attention.to_train(),
+            **at_training_length(arm.attention, seq_len).to_train(),
             "pos": arm.pos,
             "seed": seed,
             "out_dir": str(runs_dir),
