@@ -167,7 +167,7 @@ PRESETS = {
         # estimated from tiny-cpu step times measured against softmax (ALiBi 0.9x, NoPE 1.1x,
         # LSSAR + NoPE as LSSAR) and an evaluation's wall time (about 1 min at cpu's settings)
         budget="~45 min on 2 CPU cores after cpu (reuses its softmax and LSSAR p=15 runs and "
-        "evaluations), ~80 min on its own",
+        "evaluations), ~80 min on its own (79 min measured with --jobs 2 on shared cores)",
         eval_folder="cpu",
     ),
     # the decomposition (issue #25) beside the cpu arms it is measured against, on cpu's runs and
