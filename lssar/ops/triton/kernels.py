@@ -1,5 +1,9 @@
 """Device code of ``impl="triton"``: the jitted kernels and their autotuning configurations.
 
+One module, over ~600 lines, on purpose for now: the four kernels share their device functions
+and one autotuning key, and the pruning (``fits``, ``MEASURED_SPILLS``) is keyed by those
+kernels' names. The autotuning section is the next split (issue #23's closing note).
+
 FlashAttention-2-style kernels for the softplus-l1 family (lssa, lssar, softplus-l1; any ``p``).
 The math is METHOD.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly (mean-centred
 ``x = softplus(s) - mu_i``, ``mu_i = Z_i / N_i`` for ``N_i > REWEIGHT_MIN_KEYS``,
