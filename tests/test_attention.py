@@ -596,17 +596,18 @@ def test_impl_options_are_validated(kw, match):
 
 def test_registry_entries_match_their_functions():
     """Each available entry's options are its function's keyword options, with their defaults;
-    an entry takes ``alibi_slopes`` exactly when it says so; every entry's fallback exists and
-    runs what it falls back from."""
+    an entry takes ``alibi_slopes`` and ``spans`` exactly when it says so; every entry's fallback
+    exists and runs what it falls back from."""
     for name, entry in registry.IMPLS.items():
         params = inspect.signature(entry.fn).parameters
         extra = {
             n: p.default
             for n, p in params.items()
-            if p.kind is p.KEYWORD_ONLY and n not in ("variant", "options", "alibi_slopes")
+            if p.kind is p.KEYWORD_ONLY and n not in ("variant", "options", "alibi_slopes", "spans")
         }
         assert extra == dict(entry.options), name
         assert ("alibi_slopes" in params) == entry.alibi, name
+        assert ("spans" in params) == entry.spans, name
     for name, entry in registry.BACKENDS.items():
         if entry.float64 is not None:
             target = registry.BACKENDS[entry.float64]

@@ -29,12 +29,14 @@ from lssar.ops.common import (
     causal_mask,
     centred_rows,
     centring_mean,
+    count_visible,
     expand_kv,
     log_phi,
     uniform_tolerance,
     unit,
     visible_counts,
 )
+from lssar.ops.spans import KeySpans, block_visibility
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
 # Fused backward: score elements per block of query rows (per thread, each of its 3-4 slabs 2 MB
@@ -203,9 +205,12 @@ def _blocks(
     log_n: bool,
     block: int,
     dtype: torch.dtype,
+    spans: KeySpans | None = None,
 ):
-    """Query blocks with work to do: ``(i0, i1, k_end, m, n, c)`` = rows ``i0:i1`` over keys
-    ``0:k_end``, their visibility ``m`` (None = all visible), counts ``N_i`` and row scales."""
+    """Query blocks with work to do: ``(i0, i1, keys, m, n, c)`` = rows ``i0:i1`` over the keys
+    ``keys`` (a slice, or an index with sink tokens), their visibility ``m`` (None = all
+    visible), counts ``N_i`` and row scales. With ``spans`` (documents, a window) a block reads
+    only the keys its rows may see."""
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
     mask = as_4d(mask)
@@ -213,6 +218,13 @@ def _blocks(
     rows = _block_rows(B * H, t_k, block)
     for i0 in range(0, t_q, rows):
         i1 = min(t_q, i0 + rows)
+        if spans is not None:
+            keys, m = block_visibility(spans, mask, i0, i1)
+            if keys is None:  # no row of the block sees a key: output stays 0
+                continue
+            n = count_visible(m, 0).to(dtype)
+            yield i0, i1, keys, m, n, _row_scale(n, scale, log_n)
+            continue
         k_end = min(t_k, max(0, offset + i1)) if is_causal else t_k
         if k_end == 0:  # rows before the first key (T_q > T_k, causal): output stays 0
             continue
@@ -220,7 +232,53 @@ def _blocks(
         m = _block_mask(mb, is_causal, i0, i1, k_end, offset, q.device)
         n = visible_counts(mb, is_causal, i1 - i0, k_end, q.device, q_start=offset + i0)
         n = n.to(dtype)
-        yield i0, i1, k_end, m, n, _row_scale(n, scale, log_n)
+        yield i0, i1, slice(0, k_end), m, n, _row_scale(n, scale, log_n)
+
+
+def _spans_of(lo: Tensor | None, hi, sink_lo, sink_hi, t_k: int) -> KeySpans | None:
+    """The custom op's span tensors back as :class:`KeySpans` (None without them)."""
+    if lo is None:
+        return None
+    return KeySpans(lo, hi, sink_lo, sink_hi, hi, t_k)  # pos: unused here
+
+
+def _add_keys(dst: Tensor, keys: slice | Tensor, x: Tensor) -> None:
+    """``dst[:, :, keys] += x`` for a slice or an index of distinct keys."""
+    if isinstance(keys, slice):
+        dst[:, :, keys] += x
+    else:
+        dst.index_add_(2, keys, x)
+
+
+def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
+    """The fused kernel by blocks of rows over only the keys they may see (documents, a
+    window): ``[out]`` (forward of ``q, k, v``) or ``[dq, dk, dv]`` (backward of ``grad, q, k,
+    v``); None where the eager path must run."""
+    q, k, v = tensors[-3:]
+    B, H, t_q, _ = q.shape
+    mask = as_4d(mask)
+    forward = name == "forward"
+    outs = (
+        [q.new_zeros(q.shape[:-1] + v.shape[-1:])]
+        if forward
+        else [torch.zeros_like(t) for t in (q, k, v)]
+    )
+    rows = block if block > 0 else LSSA_ROWS
+    for i0 in range(0, t_q, rows):
+        i1 = min(t_q, i0 + rows)
+        keys, m = block_visibility(spans, mask, i0, i1)
+        if keys is None:
+            continue
+        qb, kb, vb = q[:, :, i0:i1], k[:, :, keys], v[:, :, keys]
+        args = (qb, kb, vb) if forward else (tensors[0][:, :, i0:i1], qb, kb, vb)
+        got = _fused_call(name, args, qb, kb, m, False, scale, log_n, p, 0)
+        if got is None:
+            return None
+        outs[0][:, :, i0:i1] = got[0].reshape(outs[0][:, :, i0:i1].shape)
+        if not forward:
+            _add_keys(outs[1], keys, got[1].reshape(kb.shape))
+            _add_keys(outs[2], keys, got[2].reshape(vb.shape))
+    return outs
 
 
 @torch.library.custom_op("lssar::softplus_attention", mutates_args=())
@@ -235,24 +293,34 @@ def softplus_attention_op(
     p: float | None,
     block: int,
     fused: bool = False,
+    lo: Tensor | None = None,
+    hi: Tensor | None = None,
+    sink_lo: Tensor | None = None,
+    sink_hi: Tensor | None = None,
 ) -> Tensor:
     """Forward of softplus-l1 attention (+ optional re-weighting). ``q (B,H,T_q,D)``,
-    ``k (B,H,T_k,D)``, ``v (B,H,T_k,D_v)`` -> ``(B,H,T_q,D_v)`` in ``q``'s dtype."""
+    ``k (B,H,T_k,D)``, ``v (B,H,T_k,D_v)`` -> ``(B,H,T_q,D_v)`` in ``q``'s dtype. ``lo .. sink_hi``:
+    a :class:`KeySpans`' vectors (documents, a window), or None."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    spans = _spans_of(lo, hi, sink_lo, sink_hi, k.shape[2])
     if fused:
-        got = _fused_call("forward", (qf, kf, vf), q, k, mask, is_causal, scale, log_n, p, block)
+        if spans is None:
+            args = (mask, is_causal, scale, log_n, p, block)
+            got = _fused_call("forward", (qf, kf, vf), q, k, *args)
+        else:
+            got = _fused_blocks("forward", (qf, kf, vf), mask, scale, log_n, p, block, spans)
         if got is not None:
             return got[0].reshape(q.shape[:-1] + v.shape[-1:]).to(v.dtype)
     out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=dtype, device=q.device)
-    for i0, i1, k_end, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype):
-        _, num, den, _ = _weights(qf[:, :, i0:i1], c, kf[:, :, :k_end], m, n, p)
-        out[:, :, i0:i1] = (num @ vf[:, :, :k_end]) / den
+    for i0, i1, keys, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype, spans):
+        _, num, den, _ = _weights(qf[:, :, i0:i1], c, kf[:, :, keys], m, n, p)
+        out[:, :, i0:i1] = (num @ vf[:, :, keys]) / den
     return out.to(v.dtype)  # q, k may arrive upcast (normalised in float32); v has the input's
 
 
 @softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, p, block, fused=False):
+def _(q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans):
     return v.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
@@ -269,22 +337,29 @@ def softplus_attention_backward_op(
     p: float | None,
     block: int,
     fused: bool = False,
+    lo: Tensor | None = None,
+    hi: Tensor | None = None,
+    sink_lo: Tensor | None = None,
+    sink_hi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recomputing backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     g = grad.to(dtype)
+    spans = _spans_of(lo, hi, sink_lo, sink_hi, k.shape[2])
     if fused:
-        got = _fused_call(
-            "backward", (g, qf, kf, vf), q, k, mask, is_causal, scale, log_n, p, block
-        )
+        tensors = (g, qf, kf, vf)
+        if spans is None:
+            got = _fused_call("backward", tensors, q, k, mask, is_causal, scale, log_n, p, block)
+        else:
+            got = _fused_blocks("backward", tensors, mask, scale, log_n, p, block, spans)
         if got is not None:
             return tuple(d.reshape(t.shape).to(t.dtype) for d, t in zip(got, (q, k, v)))
     dq = torch.zeros_like(qf)
     dk = torch.zeros_like(kf)
     dv = torch.zeros_like(vf)
-    for i0, i1, k_end, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype):
-        qb, kb, vb, gb = qf[:, :, i0:i1], kf[:, :, :k_end], vf[:, :, :k_end], g[:, :, i0:i1]
+    for i0, i1, keys, m, n, c in _blocks(q, k, mask, is_causal, scale, log_n, block, dtype, spans):
+        qb, kb, vb, gb = qf[:, :, i0:i1], kf[:, :, keys], vf[:, :, keys], g[:, :, i0:i1]
         s, num, den, stats = _weights(qb, c, kb, m, n, p, want_pm1=True)
         g_den = gb / den  # P^T g = num^T (g / den)
         dp = g_den @ vb.transpose(-1, -2)  # dP / den  (B, H, rows, T_k)
@@ -316,27 +391,27 @@ def softplus_attention_backward_op(
         if m is not None:
             ds = torch.where(m, ds, 0.0)
         ds = ds * c  # d/d(q.k): the row scale applied to the slab, as to the scores
-        dv[:, :, :k_end] += num.transpose(-1, -2) @ g_den
+        _add_keys(dv, keys, num.transpose(-1, -2) @ g_den)
         dq[:, :, i0:i1] = ds @ kb
-        dk[:, :, :k_end] += ds.transpose(-1, -2) @ qb
+        _add_keys(dk, keys, ds.transpose(-1, -2) @ qb)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False):
+def _(grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, p, block, fused = inputs
-    ctx.save_for_backward(q, k, v, mask)
+    q, k, v, mask, is_causal, scale, log_n, p, block, fused, *spans = inputs
+    ctx.save_for_backward(q, k, v, mask, *spans)
     ctx.args = (is_causal, scale, log_n, p, block, fused)
 
 
 def _backward(ctx, grad):
-    q, k, v, mask = ctx.saved_tensors
-    dq, dk, dv = softplus_attention_backward_op(grad.contiguous(), q, k, v, mask, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    q, k, v, mask, *spans = ctx.saved_tensors
+    dq, dk, dv = softplus_attention_backward_op(grad.contiguous(), q, k, v, mask, *ctx.args, *spans)
+    return dq, dk, dv, *(None,) * (7 + len(spans))
 
 
 softplus_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -367,6 +442,7 @@ def _softplus_attention(
     options,
     block: int,
     fused: bool,
+    spans: KeySpans | None = None,
 ) -> Tensor:
     if dropout_p > 0:
         raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
@@ -387,6 +463,7 @@ def _softplus_attention(
         None if p is None else float(p),
         int(block),
         bool(fused),
+        *(() if spans is None else (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)),
     )
 
 
@@ -403,6 +480,7 @@ def chunked_attention(
     variant,
     options,
     block: int = 0,
+    spans: KeySpans | None = None,
 ) -> Tensor:
     """Memory-efficient softplus-l1 attention (lssa, lssar, softplus-l1 with any ``p``).
 
@@ -410,7 +488,7 @@ def chunked_attention(
     block (0 = choose from the sequence length). Returns ``(B, H_q, T_q, D_v)``.
     """
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return _softplus_attention(*args, variant, options, block, False)
+    return _softplus_attention(*args, variant, options, block, False, spans)
 
 
 def cpu_attention(
@@ -426,8 +504,9 @@ def cpu_attention(
     variant,
     options,
     block: int = 0,
+    spans: KeySpans | None = None,
 ) -> Tensor:
     """``impl="cpu"``: :func:`chunked_attention` on the fused C++ kernel (float32 statistics;
     ``block`` = query rows per block, 0 = sized so a block's scores stay in L2)."""
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return _softplus_attention(*args, variant, options, block, True)
+    return _softplus_attention(*args, variant, options, block, True, spans)

@@ -333,9 +333,9 @@ def check_alibi(alibi_slopes: Tensor | None, query: Tensor) -> None:
         raise ValueError("alibi_slopes must be finite")
 
 
-def alibi_bias(slopes: Tensor, q_pos: Tensor, t_k: int, dtype: torch.dtype) -> Tensor:
-    """ALiBi's score bias ``-slope_h * |q_pos_i - j|`` over keys ``j = 0 .. t_k - 1``:
-    ``(B|1, H, T_q, t_k)`` in ``dtype``.
+def alibi_bias(slopes: Tensor, q_pos: Tensor, keys: int | Tensor, dtype: torch.dtype) -> Tensor:
+    """ALiBi's score bias ``-slope_h * |q_pos_i - j|`` over keys ``j = 0 .. keys - 1`` (or the key
+    positions ``keys``, an int64 vector): ``(B|1, H, T_q, len(keys))`` in ``dtype``.
 
     ``q_pos (T_q,)`` are the query rows' absolute positions: ``T_k - T_q + i`` for a whole block
     (bottom-right, the causal convention, as FlashAttention's ALiBi), so a KV-cache step gets the
@@ -343,5 +343,8 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, t_k: int, dtype: torch.dtype) -> T
     """
     s = slopes.to(dtype)
     s = s.reshape(1, -1, 1, 1) if s.dim() == 1 else s[:, :, None, None]
-    j = torch.arange(t_k, device=q_pos.device, dtype=dtype)
+    if isinstance(keys, int):
+        j = torch.arange(keys, device=q_pos.device, dtype=dtype)
+    else:
+        j = keys.to(dtype)
     return -s * (q_pos.to(dtype)[:, None] - j[None, :]).abs()  # (B|1, H, T_q, T_k)

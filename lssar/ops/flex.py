@@ -51,6 +51,7 @@ from lssar.ops.common import (
     uniform_tolerance,
     visible_counts,
 )
+from lssar.ops.spans import KeySpans, span_counts
 from lssar.ops.variants import Variant
 
 try:
@@ -78,12 +79,15 @@ def _log_softplus(s: Tensor) -> Tensor:
     return torch.where(s < -20.0, s, torch.log(F.softplus(s.clamp_min(-20.0))))
 
 
-def _mask_mod(mask4: Tensor | None, is_causal: bool, t_q: int, t_k: int, sentinel: bool):
+def _mask_mod(
+    mask4: Tensor | None, is_causal: bool, t_q: int, t_k: int, sentinel: bool, spans=None
+):
     """The visibility rule as a FlexAttention ``mask_mod`` (or None when everything is visible).
 
-    ``sentinel``: key ``T_k`` (an extra key appended on CPU) is visible to every row.
+    ``sentinel``: key ``T_k`` (an extra key appended on CPU) is visible to every row. ``spans``
+    (:class:`lssar.ops.spans.KeySpans`: documents, a window) bound each row's keys.
     """
-    if mask4 is None and not is_causal and not sentinel:
+    if mask4 is None and not is_causal and not sentinel and spans is None:
         return None
     off = t_k - t_q
     mb, mh, mq = (None, None, None) if mask4 is None else mask4.shape[:3]
@@ -93,6 +97,13 @@ def _mask_mod(mask4: Tensor | None, is_causal: bool, t_q: int, t_k: int, sentine
         ok = kv_idx < t_k
         if is_causal:
             ok = ok & (kv_idx <= q_idx + off)
+        if spans is not None:
+            inside = (kv_idx >= spans.lo[q_idx]) & (kv_idx < spans.hi[q_idx])
+            if spans.sink_lo is not None:
+                inside = inside | (
+                    (kv_idx >= spans.sink_lo[q_idx]) & (kv_idx < spans.sink_hi[q_idx])
+                )
+            ok = ok & inside
         if mask4 is not None:
             ok = ok & mask4[b if mb > 1 else 0, h if mh > 1 else 0, q_idx if mq > 1 else 0, kv]
         if sentinel:
@@ -103,14 +114,24 @@ def _mask_mod(mask4: Tensor | None, is_causal: bool, t_q: int, t_k: int, sentine
 
 
 def _block_mask(
-    mask4: Tensor | None, is_causal: bool, b: int, h: int, t_q: int, t_k: int, device, sentinel
+    mask4: Tensor | None,
+    is_causal: bool,
+    b: int,
+    h: int,
+    t_q: int,
+    t_k: int,
+    device,
+    sentinel,
+    spans=None,
 ):
-    """The ``BlockMask`` (None: all visible); masks that only depend on shapes are cached."""
-    mask_mod = _mask_mod(mask4, is_causal, t_q, t_k, sentinel)
+    """The ``BlockMask`` (None: all visible); masks that only depend on shapes are cached. With
+    ``spans`` the blocks outside every row's spans are skipped."""
+    mask_mod = _mask_mod(mask4, is_causal, t_q, t_k, sentinel, spans)
     if mask_mod is None:
         return None
     key = (is_causal, t_q, t_k, sentinel, str(device))
-    if mask4 is None and key in _BLOCK_MASKS:
+    shape_only = mask4 is None and spans is None
+    if shape_only and key in _BLOCK_MASKS:
         return _BLOCK_MASKS[key]
     bb = b if mask4 is not None and mask4.shape[0] > 1 else None
     hh = h if mask4 is not None and mask4.shape[1] > 1 else None
@@ -124,7 +145,7 @@ def _block_mask(
         device=device,
         _compile=torch.device(device).type == "cuda",
     )
-    if mask4 is None:
+    if shape_only:
         if len(_BLOCK_MASKS) >= 16:
             _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
         _BLOCK_MASKS[key] = bm
@@ -143,6 +164,7 @@ def flex_attention_impl(
     *,
     variant: Variant,
     options: dict[str, Any],
+    spans: KeySpans | None = None,
 ) -> Tensor:
     """LSSA / LSSAR on FlexAttention, with the contract of the reference attention.
 
@@ -176,13 +198,17 @@ def flex_attention_impl(
     hk, t_k = key.shape[1], key.shape[2]
     groups = H // hk
     mask4 = as_4d(attn_mask)
-    n = visible_counts(mask4, is_causal, t_q, t_k, query.device).squeeze(-1).expand(B, H, t_q)
+    if spans is None:
+        n = visible_counts(mask4, is_causal, t_q, t_k, query.device)
+    else:
+        n = span_counts(spans, mask4)
+    n = n.squeeze(-1).expand(B, H, t_q)
     inv_q, inv_k = inv_norm(query), inv_norm(key)  # (B, H, T_q), (B, H_kv, T_k)
     cq = length_scale(n, d) * inv_q  # c_i / |q_i|  (B, H, T_q)
     p = options.get("p")
     # LSSA needs no statistics: one call on every device; LSSAR on CPU cannot get the LSE
     fn = _sentinel_path if on_cpu and p is not None else _lse_path
-    out = fn(query, key, value, mask4, is_causal, n, cq, inv_k, groups, p, enable_gqa)
+    out = fn(query, key, value, mask4, is_causal, n, cq, inv_k, groups, p, enable_gqa, spans)
     return out.to(dtype)
 
 
@@ -199,10 +225,10 @@ def _sharpened_log(s: Tensor, mu: Tensor, p: float) -> Tensor:
     return torch.where(keep, p * lx, float("-inf"))
 
 
-def _lse_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
+def _lse_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa, spans):
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
-    block_mask = _block_mask(mask4, is_causal, B, H, t_q, t_k, q.device, False)
+    block_mask = _block_mask(mask4, is_causal, B, H, t_q, t_k, q.device, False, spans)
     flex = _flex()
 
     def lssa_mod(score, b, h, q_idx, kv_idx):
@@ -224,7 +250,7 @@ def _lse_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
     return torch.where(has, out2, out1)
 
 
-def _sentinel_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
+def _sentinel_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa, spans):
     B, H, t_q, d = q.shape
     hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
     flex = _flex()
@@ -235,7 +261,7 @@ def _sentinel_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
         v1 = torch.cat([F.pad(v, (0, 1)), F.pad(v.new_ones(B, hk, 1, 1), (dv, 0))], 2)
         inv_k1 = F.pad(inv_k, (0, 1))
         log_n = torch.log(n.clamp_min(1.0))
-        block_mask = _block_mask(mask4, is_causal, B, H, t_q, t_k, q.device, True)
+        block_mask = _block_mask(mask4, is_causal, B, H, t_q, t_k, q.device, True, spans)
 
         def lssa_mod(score, b, h, q_idx, kv_idx):
             s = _log_softplus(_scores(score, b, h, q_idx, kv_idx, cq, inv_k1, groups))
@@ -250,7 +276,7 @@ def _sentinel_path(q, k, v, mask4, is_causal, n, cq, inv_k, groups, p, gqa):
         # second call: an all-ones extra value channel reads 1 where the row has any finite
         # score, 0 (or NaN) where every score is -inf: those rows fall back to LSSA
         v2 = F.pad(v, (0, 1), value=1.0)
-        block_mask = _block_mask(mask4, is_causal, B, H, t_q, t_k, q.device, False)
+        block_mask = _block_mask(mask4, is_causal, B, H, t_q, t_k, q.device, False, spans)
 
         def lssar_mod(score, b, h, q_idx, kv_idx):
             s = _scores(score, b, h, q_idx, kv_idx, cq, inv_k, groups)

@@ -35,6 +35,7 @@ from lssar.ops.common import (
     unit,
     visible_counts,
 )
+from lssar.ops.spans import KeySpans, span_counts
 from lssar.ops.variants import Variant
 
 
@@ -123,21 +124,28 @@ def attention_weights(
     variant: Variant,
     options: dict[str, Any],
     alibi_slopes: Tensor | None = None,
+    spans: KeySpans | None = None,
 ) -> Tensor:
     """Final attention weights ``(B, H, T_q, T_k)`` in the compute dtype (float32/float64).
 
     ``alibi_slopes`` (``(H,)`` or ``(B, H)``) adds ALiBi's bias ``-slope |pos_i - j|`` to the
-    scores after their scale (bottom-right aligned positions, :func:`alibi_bias`)."""
+    scores after their scale (bottom-right aligned positions, :func:`alibi_bias`). ``spans``
+    (documents, a window; the causal rule folded in) become a dense mask here."""
     dtype = compute_dtype(query.dtype)
     t_q, t_k = query.shape[-2], key.shape[-2]
     if enable_gqa:
         key, _ = expand_kv(query, key, key)
     q, k = query.to(dtype), key.to(dtype)
-    mask = combined_mask(attn_mask, is_causal, t_q, t_k, q.device)
-    n = visible_counts(attn_mask, is_causal, t_q, t_k, q.device).to(dtype)
+    if spans is None:
+        mask = combined_mask(attn_mask, is_causal, t_q, t_k, q.device)
+        n = visible_counts(attn_mask, is_causal, t_q, t_k, q.device).to(dtype)
+        q_pos = torch.arange(t_q, device=q.device) + t_k - t_q
+    else:
+        mask = spans.dense() if attn_mask is None else (attn_mask & spans.dense())
+        n, q_pos = span_counts(spans, attn_mask).to(dtype), spans.pos
     s = scores(q, k, n, variant, scale, options)
     if alibi_slopes is not None:
-        s = s + alibi_bias(alibi_slopes, torch.arange(t_q, device=q.device) + t_k - t_q, t_k, dtype)
+        s = s + alibi_bias(alibi_slopes, q_pos, t_k, dtype)
     w = normalise(s, mask, n, variant, options)
     p = options.get("p")
     return w if p is None else reweight(w, n, p)
@@ -156,6 +164,7 @@ def reference_attention(
     variant: Variant,
     options: dict[str, Any],
     alibi_slopes: Tensor | None = None,
+    spans: KeySpans | None = None,
 ) -> Tensor:
     """Materialised attention ``(B, H_q, T_q, D_v)``; dropout (if any) acts on the final weights."""
     w = attention_weights(
@@ -168,6 +177,7 @@ def reference_attention(
         variant=variant,
         options=options,
         alibi_slopes=alibi_slopes,
+        spans=spans,
     )
     if dropout_p > 0:
         w = F.dropout(w, dropout_p, training=True)

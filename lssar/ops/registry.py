@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lssar.ops.common import as_4d, autocast_dtype, check_alibi, check_inputs, hide_unseen
+from lssar.ops.spans import KeySpans, hide_unseen_spans, key_spans
 from lssar.ops.variants import VARIANTS, Variant
 
 # Below this many score entries per (batch, head) the materialised reference is as fast (measured
@@ -39,7 +40,8 @@ class Impl:
     ``float64``: the impl that runs float64 inputs in its place (same math), or None.
     ``torch_func``: it composes with ``torch.func`` transforms (hand-written backward passes
     do not). ``alibi``: it takes ``alibi_slopes`` (ALiBi's score bias) for the variants it runs
-    whose scores can be biased (:data:`ALIBI_VARIANTS`).
+    whose scores can be biased (:data:`ALIBI_VARIANTS`). ``spans``: it takes ``spans=``
+    (:class:`lssar.ops.spans.KeySpans`: packed documents, sliding windows, sink tokens).
     """
 
     name: str
@@ -53,6 +55,7 @@ class Impl:
     float64: str | None = None
     torch_func: bool = True
     alibi: bool = False
+    spans: bool = False
 
     @property
     def fn(self) -> Callable[..., Tensor]:
@@ -175,6 +178,7 @@ for _entry in (
         "materialised T_q x T_k, every variant",
         dropout=True,
         alibi=True,
+        spans=True,
     ),
     Impl(
         "chunked",
@@ -183,6 +187,7 @@ for _entry in (
         "memory-efficient exact softplus-l1 family (lssa, lssar, softplus-l1; any p)",
         options={"block": 0},
         torch_func=False,
+        spans=True,
     ),
     Impl(
         "cpu",
@@ -193,6 +198,7 @@ for _entry in (
         options={"block": 0},
         float64="chunked",
         torch_func=False,
+        spans=True,
     ),
     Impl(
         "sdpa",
@@ -202,6 +208,7 @@ for _entry in (
         "ALiBi by query blocks with a float bias per block",
         dropout=True,
         alibi=True,
+        spans=True,
     ),
     Impl(
         "triton",
@@ -223,6 +230,7 @@ for _entry in (
         available=_has_flex(),
         needs="torch.nn.attention.flex_attention with AuxRequest (torch >= 2.9)",
         float64="chunked",
+        spans=True,
     ),
 ):
     register_impl(_entry)
@@ -294,13 +302,19 @@ def _auto(
     variant: Variant,
     opts: dict[str, Any],
     alibi: bool = False,
+    spans: bool = False,
 ) -> str:
     if alibi:  # SDPA by query blocks (O(T * block)); the reference for p and torch.func
         fam = _softmax_family(variant, opts) and not _functorch_active()
         return "sdpa" if fam else "reference"
     if dropout_p > 0 or (_functorch_active() and not _softmax_family(variant, opts)):
         return "reference"
-    if query.is_cuda and "triton" in IMPLS and IMPLS["triton"].supports(variant, opts):
+    if (
+        query.is_cuda
+        and "triton" in IMPLS
+        and IMPLS["triton"].supports(variant, opts)
+        and (IMPLS["triton"].spans or not spans)
+    ):
         return "triton"
     if _softmax_family(variant, opts):
         return "sdpa"
@@ -327,9 +341,10 @@ def resolve(
     options: dict[str, Any],
     impl_options: Mapping[str, Any] | None = None,
     alibi: bool = False,
+    spans: bool = False,
 ) -> Resolved:
     """Validate names and options and route the call (``auto``, dropout, the float64 fallback;
-    ``alibi``: the call has ``alibi_slopes``).
+    ``alibi``: the call has ``alibi_slopes``; ``spans``: documents or a window).
 
     Returns ``(variant, impl name, resolved options, impl options)``; the impl named there is
     the one that runs (``impl="triton"`` with float64 inputs resolves to ``"chunked"``, whose
@@ -348,7 +363,7 @@ def resolve(
             f"variant {v.name!r} cannot take it"
         )
     if impl == "auto":
-        impl = _auto(query, key, dropout_p, v, opts, alibi)
+        impl = _auto(query, key, dropout_p, v, opts, alibi, spans)
     entry = BACKENDS.get(impl) if isinstance(impl, str) else None
     if entry is None or not entry.available:
         why = "" if entry is None else f" (needs {entry.needs})"
@@ -363,6 +378,12 @@ def resolve(
         ok = [n for n, e in IMPLS.items() if e.alibi and e.supports(v, opts)]
         raise ValueError(
             f"impl {impl!r} cannot apply alibi_slopes; use one of: auto, {', '.join(ok)}"
+        )
+    if spans and not entry.spans:
+        ok = [n for n, e in IMPLS.items() if e.spans and e.supports(v, opts)]
+        raise ValueError(
+            f"impl {impl!r} cannot take cu_seqlens / window / sink_tokens; use one of: auto, "
+            f"{', '.join(ok)}"
         )
     impl_opts = entry.check_options(impl_options)
     if dropout_p > 0 and not entry.dropout:
@@ -392,6 +413,10 @@ def attention(
     impl: str = "auto",
     impl_options: dict[str, Any] | None = None,
     alibi_slopes: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    sink_tokens: int = 0,
     **options: Any,
 ) -> Tensor:
     """Attention with the paper's variants behind SDPA's signature.
@@ -423,6 +448,17 @@ def attention(
             and key ``j`` after their scale (bottom-right aligned, as the causal mask). Only the
             softmax family (:data:`ALIBI_VARIANTS`) takes it, on ``"reference"`` and
             ``"sdpa"`` (by query blocks, memory O(T_k * block)); elsewhere a ``ValueError``.
+        cu_seqlens: packed documents, FlashAttention's layout: int32/int64 ``(n_docs + 1,)``
+            cumulative lengths ``[0, len_0, len_0 + len_1, ..., T_q]`` along the time axis (the
+            same packing for every batch row); a query sees only keys of its own document, and
+            ``N_i`` (the length scale, LSSAR's threshold) counts within it. ``is_causal`` then
+            applies per document (bottom-right aligned in each). Not with ``attn_mask``.
+        cu_seqlens_k: the keys' boundaries when ``T_q != T_k`` (default: ``cu_seqlens``).
+        window: sliding window ``(left, right)``: the query at key position ``t`` sees keys
+            ``t - left .. t + right`` (``None``: unbounded; with ``is_causal``, ``(W - 1, 0)``
+            is W keys ending at the query). ``N_i`` counts the keys inside the window.
+        sink_tokens: with a window, the first ``sink_tokens`` keys of each document stay
+            visible (attention sinks, as StreamingLLM).
         **options: the variant's own keyword options (e.g. ``p`` for re-weighting).
 
     Returns:
@@ -438,17 +474,30 @@ def attention(
     """
     check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     check_alibi(alibi_slopes, query)
+    spans = key_spans(
+        query.shape[-2],
+        key.shape[-2],
+        query.device,
+        is_causal,
+        attn_mask,
+        cu_seqlens,
+        cu_seqlens_k,
+        window,
+        sink_tokens,
+    )
+    if spans is not None:
+        is_causal = False  # folded into the spans
     device = query.device.type
     low = autocast_dtype(device)
     args = (attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, impl, impl_options)
     if low is None:
-        return _attention(query, key, value, *args, options, alibi_slopes)
+        return _attention(query, key, value, *args, options, alibi_slopes, spans)
     # one place for every implementation: left on, autocast would re-round the float32 score and
     # value GEMMs inside the materialised and chunked paths to bf16 (LSSAR p=15 errors 10-25x)
     if query.dtype != torch.float64:
         query, key, value = (t.to(low) for t in (query, key, value))
     with torch.autocast(device, enabled=False):
-        return _attention(query, key, value, *args, options, alibi_slopes)
+        return _attention(query, key, value, *args, options, alibi_slopes, spans)
 
 
 def _attention(
@@ -465,11 +514,13 @@ def _attention(
     impl_options: dict[str, Any] | None,
     options: dict[str, Any],
     alibi_slopes: Tensor | None,
+    spans: KeySpans | None = None,
 ) -> Tensor:
-    """:func:`attention` after its checks, with autocast settled: route and run."""
+    """:func:`attention` after its checks, with autocast settled: route and run (``spans``:
+    documents / window, the causal rule folded in)."""
     alibi = alibi_slopes is not None
     v, impl, opts, impl_opts = resolve(
-        variant, impl, query, key, dropout_p, options, impl_options, alibi
+        variant, impl, query, key, dropout_p, options, impl_options, alibi, spans is not None
     )
     attn_mask = as_4d(attn_mask)
     if attn_mask is not None and attn_mask.shape[-1] == 1 and key.shape[-2] > 1:
@@ -477,7 +528,10 @@ def _attention(
     if key.shape[-2] == 0 or query.shape[-2] == 0:  # N_i = 0 everywhere: zeros, zero gradients
         empty = query[..., :0].sum() + key.sum() + value.sum()  # 0, keeps the graph
         return empty + query.new_zeros(query.shape[:-1] + value.shape[-1:])
-    query, key, value = hide_unseen(query, key, value, attn_mask, is_causal)
+    if spans is None:
+        query, key, value = hide_unseen(query, key, value, attn_mask, is_causal)
+    else:
+        query, key, value = hide_unseen_spans(query, key, value, attn_mask, spans)
     if scale is not None and v.scaling in ("log_n", "const"):
         raise ValueError(
             f"variant {v.name!r} uses the length scale ln(D) ln(N) and takes no `scale`; "
@@ -501,6 +555,7 @@ def _attention(
         variant=v,
         options=opts,
         **impl_opts,
-        # passed only when given: backends without ALiBi keep their signature
+        # passed only when given: backends without ALiBi or spans keep their signature
         **({"alibi_slopes": alibi_slopes} if alibi else {}),
+        **({"spans": spans} if spans is not None else {}),
     )

@@ -31,6 +31,7 @@ from lssar.ops.common import (
     unit,
     visible_counts,
 )
+from lssar.ops.spans import KeySpans, block_visibility, span_counts
 
 # Elements of one query block's float bias (B|1, H, rows, T_k): 2**23 fp32 values = 32 MiB, e.g.
 # 256 rows of 8 heads over 4K keys, 64 rows at 16K keys.
@@ -50,18 +51,21 @@ def sdpa_attention(
     variant,
     options,
     alibi_slopes: Tensor | None = None,
+    spans: KeySpans | None = None,
 ) -> Tensor:
     """Softmax-family attention on SDPA; same contract as the reference. ``(B, H_q, T_q, D_v)``.
 
-    ``alibi_slopes`` (``(H,)`` or ``(B, H)``): ALiBi's bias on the scaled scores, by query
-    blocks (see the module docstring)."""
+    ``alibi_slopes`` (``(H,)`` or ``(B, H)``): ALiBi's bias on the scaled scores; ``spans``
+    (documents, a window): each block of query rows over only the keys it may see. Both run by
+    query blocks (see the module docstring)."""
     t_q, t_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
     dtype = query.dtype
     if variant.qk_norm:  # normalised (and scaled below) in float32, then back to the input dtype
         query, key = unit(query), unit(key).to(dtype)
     # causal with T_q = T_k stays SDPA's is_causal (fused, O(T) memory), also with a row scale
     fused_causal = attn_mask is None and (not is_causal or t_q == t_k)
-    skip = fused_causal or alibi_slopes is not None  # the ALiBi blocks build their own masks
+    # the blocks (ALiBi, spans) build their own masks
+    skip = fused_causal or alibi_slopes is not None or spans is not None
     mask = None if skip else combined_mask(attn_mask, is_causal, t_q, t_k, query.device)
     if variant.scaling == "const":  # one scale for every row, per head if learned
         c = torch.tensor(variant.const_scale(d, options), dtype=compute_dtype(query.dtype))
@@ -72,7 +76,10 @@ def sdpa_attention(
         query = (query.to(c.dtype) * c).to(dtype)
         scale = 1.0
     elif variant.scaling != "sdpa":
-        n = visible_counts(attn_mask, is_causal, t_q, t_k, query.device)
+        if spans is None:
+            n = visible_counts(attn_mask, is_causal, t_q, t_k, query.device)
+        else:
+            n = span_counts(spans, attn_mask)
         n = n.to(compute_dtype(query.dtype))
         if variant.scaling == "log_n":
             c = length_scale(n, d)
@@ -84,10 +91,9 @@ def sdpa_attention(
         query = (query.to(c.dtype) * c).to(dtype)
         scale = 1.0
     query = query.to(dtype)
-    if alibi_slopes is not None:
-        return _alibi_blocks(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alibi_slopes
-        )
+    if alibi_slopes is not None or spans is not None:
+        args = (attn_mask, dropout_p, is_causal, scale, enable_gqa, alibi_slopes, spans)
+        return _blocked(query, key, value, *args)
     if mask is None:
         return F.scaled_dot_product_attention(
             query,
@@ -107,38 +113,37 @@ def sdpa_attention(
     return out.masked_fill(empty, 0.0)
 
 
-def _alibi_block(
+def _block(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    slopes: Tensor,
-    attn_mask: Tensor | None,
-    q_start: int,
-    is_causal: bool,
+    slopes: Tensor | None,
+    visible: Tensor | None,
+    pos: Tensor,
+    keys: Tensor,
     dropout_p: float,
     scale: float | None,
     enable_gqa: bool,
 ) -> Tensor:
-    """One block of query rows ``q (B, H, rows, D)`` at absolute positions ``q_start ..`` over
-    keys ``k, v (B, H_kv, k_end, D)``; ``attn_mask`` already sliced to the block."""
-    rows, k_end = q.shape[-2], k.shape[-2]
-    pos = torch.arange(rows, device=q.device) + q_start
-    bias = alibi_bias(slopes, pos, k_end, q.dtype)  # (B|1, H, rows, k_end)
-    visible = causal_mask(rows, k_end, q.device, q_start) if is_causal else None
-    if attn_mask is not None:
-        visible = attn_mask if visible is None else (attn_mask & visible)
+    """One block of query rows ``q (B, H, rows, D)`` at key positions ``pos (rows,)`` over the
+    keys ``k, v (B, H_kv, K, D)`` at positions ``keys (K,)``; ``visible`` (None: all) already
+    holds the causal rule, the caller's mask and any spans."""
+    bias = None if slopes is None else alibi_bias(slopes, pos, keys, q.dtype)  # (B|1,H,rows,K)
     empty = None
     if visible is not None:
         # SDPA gives NaN for rows with no visible key: let them see everything, then zero them
         empty = ~visible.any(-1, keepdim=True)
-        bias = bias.masked_fill(~(visible | empty), float("-inf"))
+        if bias is None:
+            bias = visible | empty
+        else:
+            bias = bias.masked_fill(~(visible | empty), float("-inf"))
     out = F.scaled_dot_product_attention(
         q, k, v, bias, dropout_p, False, scale=scale, enable_gqa=enable_gqa
     )
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
-def _alibi_blocks(
+def _blocked(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -147,16 +152,21 @@ def _alibi_blocks(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
-    slopes: Tensor,
+    slopes: Tensor | None,
+    spans: KeySpans | None,
 ) -> Tensor:
-    """ALiBi-biased SDPA by blocks of query rows: ``(B, H_q, T_q, D_v)`` in the input dtype."""
+    """SDPA by blocks of query rows, each over only the keys it may see: ALiBi's float bias per
+    block and/or ``spans`` (documents, a window). ``(B, H_q, T_q, D_v)`` in the input dtype."""
     b, h, t_q, _ = query.shape
     t_k = key.shape[-2]
     dtype = query.dtype
-    work = compute_dtype(dtype)
-    q, k, v, slopes = query.to(work), key.to(work), value.to(work), slopes.to(work)
+    # ALiBi in float32 for half inputs (see the module docstring); spans alone keep the dtype
+    work = compute_dtype(dtype) if slopes is not None else dtype
+    q, k, v = query.to(work), key.to(work), value.to(work)
+    slopes = None if slopes is None else slopes.to(work)
     mask_b = 1 if attn_mask is None else attn_mask.shape[0]
-    per_row = max(slopes.shape[0] if slopes.dim() == 2 else 1, mask_b) * h * max(t_k, 1)
+    slope_b = slopes.shape[0] if slopes is not None and slopes.dim() == 2 else 1
+    per_row = max(slope_b, mask_b) * h * max(t_k, 1)
     rows = max(1, min(t_q, ALIBI_BLOCK_ELEMENTS // per_row))
     # several blocks under autograd: recompute each block's bias in the backward instead of
     # keeping all of them (together they are T_q x T_k); one block keeps the plain graph
@@ -167,21 +177,32 @@ def _alibi_blocks(
         and not torch._C._are_functorch_transforms_active()
     )
     offset = t_k - t_q  # bottom-right: query row i sits at absolute position offset + i
+    all_pos = spans.pos if spans is not None else torch.arange(t_q, device=q.device) + offset
     outs = []
     for r0 in range(0, t_q, rows):
         r1 = min(t_q, r0 + rows)
-        k_end = min(t_k, max(0, offset + r1)) if is_causal else t_k  # a causal block's last key
-        if k_end == 0:
+        if spans is not None:
+            keys, visible = block_visibility(spans, attn_mask, r0, r1)
+        else:
+            k_end = min(t_k, max(0, offset + r1)) if is_causal else t_k  # a causal block's end
+            keys = slice(0, k_end) if k_end > 0 else None
+            visible = causal_mask(r1 - r0, k_end, q.device, offset + r0) if is_causal else None
+            if attn_mask is not None and keys is not None:
+                m = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., r0:r1, :]
+                m = m if m.shape[-1] == 1 else m[..., :k_end]
+                visible = m if visible is None else (m & visible)
+        if keys is None:
             outs.append(q.new_zeros(b, h, r1 - r0, value.shape[-1]))
             continue
-        m = None
-        if attn_mask is not None:
-            m = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., r0:r1, :]
-            m = m if m.shape[-1] == 1 else m[..., :k_end]
-        args = (q[:, :, r0:r1], k[:, :, :k_end], v[:, :, :k_end], slopes, m, offset + r0)
-        kw = dict(is_causal=is_causal, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        key_pos = (
+            torch.arange(keys.start, keys.stop, device=q.device)
+            if isinstance(keys, slice)
+            else keys
+        )
+        args = (q[:, :, r0:r1], k[:, :, keys], v[:, :, keys], slopes, visible, all_pos[r0:r1])
+        kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
         if recompute:
-            outs.append(checkpoint(_alibi_block, *args, use_reentrant=False, **kw))
+            outs.append(checkpoint(_block, *args, key_pos, use_reentrant=False, **kw))
         else:
-            outs.append(_alibi_block(*args, **kw))
+            outs.append(_block(*args, key_pos, **kw))
     return torch.cat(outs, dim=2).to(dtype)
