@@ -559,22 +559,6 @@ def _diag(entropy: float, sink: float, t: int, train_len: int = 16) -> dict:
     }
 
 
-def test_loss_figure_claims_a_band_only_with_seeds(tmp_path, monkeypatch):
-    from matplotlib.axes import Axes
-
-    from lssar.studies.lm.figures import plot_results
-
-    titles: list[str] = []
-    real = Axes.set_title
-    monkeypatch.setattr(
-        Axes, "set_title", lambda ax, t, **kw: titles.append(t) or real(ax, t, **kw)
-    )
-    plot_results([_fake("softmax", "softmax", [2.0] * 5)], tmp_path / "one")
-    plot_results(_arm("softmax", "softmax", [2.0] * 5), tmp_path / "three")
-    assert titles[0] == "Loss vs length (one seed: no band)"
-    assert "Loss vs length (mean, 95% band over seeds)" in titles[1:]
-
-
 def test_diagnostics_are_read_beyond_the_training_length_for_normalised_arms(tmp_path, clean_env):
     """The table's 16x columns are the rows past L, not a row mean the early rows dominate, and
     sigmoid (rows that do not sum to 1) is left off, with a note."""

@@ -5,7 +5,6 @@ import pytest
 
 from lssar.studies import stats
 from lssar.studies.orbits import judging
-from lssar.studies.orbits.plots import COLOURS
 
 MARGIN = 0.05
 
@@ -115,21 +114,6 @@ def test_exploratory_covers_every_model_arm():
     assert ex["lssa"]["softmax"]["label"] == "not separable" and "lssar" in ex["lssa"]
     assert ex["lssar"]["softmax"]["label"] == "lssar closer" and "lssar" not in ex["lssar"]
     assert ex["softmax"]["ceiling"]["label"] == "further than its ceiling"
-
-
-def test_arm_colours_match_the_lm_study():
-    from lssar.studies.lm.figures import style
-
-    twins = {
-        "softmax": "softmax",
-        "lssa": "lssa",
-        "lssar-p3": "lssar p=3",
-        "lssar": "lssar p=15",
-        "softmax-local": "softmax, sliding window 8",
-    }
-    for arm, label in twins.items():
-        assert COLOURS[arm] == style(label)["color"], arm
-    assert len(set(COLOURS.values())) == len(COLOURS)
 
 
 @pytest.mark.parametrize("x,out", [(0.1234, "0.123"), (-0.004, "-4.00e-03"), (0.0, "0.000")])

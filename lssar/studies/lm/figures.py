@@ -1,15 +1,17 @@
 """Figures of an evaluation (``lssar eval``) and of ``lssar reproduce``'s report.
 
 Results are grouped by arm (:func:`label_of`: one group holds that arm's seeds). Every figure
-draws an arm in the same colour, with the line style of its family (softmax-normalised solid,
-pointwise dash-dot, Softplus-l1 dashed, eval-time switches dotted), the mean over seeds with a
-95% band (t over seeds, :func:`lssar.studies.stats.mean_ci`), and one legend outside the axes.
+draws an arm in its colour and line style from :mod:`lssar.studies.style` (the same in every
+study), the mean over seeds with a 95% t-band over seeds (:func:`lssar.studies.stats.mean_ci`;
+one seed: no band, and the title says which). A figure with more arms than one panel reads at a
+glance is split into panels by family (:func:`lssar.studies.style.facets`: at most six lines,
+softmax and LSSAR p=15 drawn thin beside each family for reference), on one y-scale except the
+pointwise rules' (sigmoid, relu), whose loss explodes; each panel's legend sits under it.
 """
 
 from __future__ import annotations
 
-import re
-import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,41 +20,11 @@ import numpy as np
 from lssar.ops.variants import VARIANTS
 from lssar.spec import run_label
 from lssar.studies.stats import mean_ci
+from lssar.studies.style import facets, grid, legend_below, spread, style
 
 Result = dict[str, Any]
-
-# one colour per arm of the paper's comparison (and of the controls); others get a stable one
-COLOURS = {
-    "softmax": "#1f77b4",
-    "softmax, sliding window": "#17becf",
-    "softmax-qknorm-logn": "#9467bd",
-    "ssmax": "#8c564b",
-    "sigmoid": "#7f7f7f",
-    "relu": "#bcbd22",
-    "softplus-l1": "#ff7f0e",
-    "lssa": "#2ca02c",
-    "lssar p=3": "#e377c2",
-    "lssar p=15": "#d62728",
-    # the decomposition (issue #25); constant-scale labels carry their n, dropped for the colour
-    "softmax-qknorm-const": "#c5b0d5",
-    "softmax-qknorm-learned": "#5254a3",
-    "lssa-const": "#98df8a",
-    "softmax-qknorm-logn p=15": "#843c39",
-    "lssa -> lssar p=1 (eval only)": "#b7e4a7",
-    "lssa -> lssar p=3 (eval only)": "#74c476",
-    "lssa -> lssar p=8 (eval only)": "#31a354",
-    "lssa -> lssar p=15 (eval only)": "#00441b",
-    # the practitioner's alternatives (issue #24)
-    "softmax + alibi": "#e6550d",
-    "softmax + nope": "#636363",
-    "lssar p=15 + nope": "#fd8d3c",
-    "softmax -> linear auto (eval only)": "#6baed6",
-    "softmax -> ntk auto (eval only)": "#3182bd",
-    "softmax -> dynamic-ntk auto (eval only)": "#08519c",
-    "softmax -> yarn auto (eval only)": "#08306b",
-}
-_SPARE = ["#393b79", "#ad494a", "#8c6d31", "#637939", "#7b4173", "#3182bd", "#e6550d"]
-_POINTWISE = ("sigmoid", "relu")
+# one seed's values at a figure's x positions: (xs, [seed][point])
+Series = Callable[[list[Result]], tuple[list[float], list[list[float]]]]
 
 
 def normalised(r: Result) -> bool:
@@ -72,22 +44,6 @@ def label_of(r: Result) -> str:
     return label if not r.get("window") else f"{label}, sliding window {r['window']}"
 
 
-def style(label: str) -> dict[str, str]:
-    """Matplotlib ``color`` and ``ls`` of an arm, the same in every figure."""
-    key = label.split(" window")[0] + " window" if ", sliding window" in label else label
-    key = re.sub(r" n=\d+", "", key)  # a constant-scale arm's length: one colour at any L
-    colour = COLOURS.get(key) or _SPARE[zlib.crc32(label.encode()) % len(_SPARE)]
-    if "(eval only)" in label:
-        ls = ":"
-    elif label.split(" ")[0] in _POINTWISE:
-        ls = "-."
-    elif label.startswith(("lssa", "softplus")):
-        ls = "--"
-    else:
-        ls = "-"
-    return {"color": colour, "ls": ls}
-
-
 def group(results: list[Result]) -> dict[str, list[Result]]:
     """Arm label -> its results (one per seed), in first-seen order."""
     out: dict[str, list[Result]] = {}
@@ -96,15 +52,19 @@ def group(results: list[Result]) -> dict[str, list[Result]]:
     return out
 
 
-def _band(ax, xs, per_seed: list[list[float]], label: str, marker: str | None = "o") -> None:
-    """Mean over seeds (``per_seed[i][k]``: seed i at point k) and its 95% band."""
+def _band(ax, xs, per_seed: list[list[float]], label: str, marker: str | None, ref: bool) -> None:
+    """Mean over seeds (``per_seed[i][k]``: seed i at point k) and its 95% band; a reference
+    arm (another family's, drawn for comparison) thin and faint."""
     ivs = [mean_ci([s[k] for s in per_seed]) for k in range(len(xs))]
     st = style(label)
-    ax.plot(xs, [iv.mean for iv in ivs], marker=marker, ms=4, label=label, **st)
+    means = [iv.mean for iv in ivs]
+    if ref:
+        ax.plot(xs, means, lw=1, alpha=0.7, label=f"{label} (ref.)", **st)
+    else:
+        ax.plot(xs, means, marker=marker, ms=4, label=label, **st)
     if ivs[0].lo is not None:
-        ax.fill_between(
-            xs, [iv.lo for iv in ivs], [iv.hi for iv in ivs], color=st["color"], alpha=0.15, lw=0
-        )
+        lo, hi = [iv.lo for iv in ivs], [iv.hi for iv in ivs]
+        ax.fill_between(xs, lo, hi, color=st["color"], alpha=0.06 if ref else 0.15, lw=0)
 
 
 def _beyond(d: dict[str, Any], key: str) -> Any:
@@ -114,22 +74,92 @@ def _beyond(d: dict[str, Any], key: str) -> Any:
     return d[key] if far is None else far
 
 
-def _save(fig, path: Path, paths: list[Path], legend_ax=None) -> None:
-    import matplotlib.pyplot as plt
+def _one_scale(axes) -> None:
+    """One y-range over ``axes``: the union of their own."""
+    if axes:
+        lims = [ax.get_ylim() for ax in axes]
+        lo, hi = min(a for a, _ in lims), max(b for _, b in lims)
+        for ax in axes:
+            ax.set_ylim(lo, hi)
 
-    src = legend_ax if legend_ax is not None else fig.axes[0]
-    handles, labels = src.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.tight_layout()
+
+def _faceted(
+    plt,
+    groups: dict[str, list[Result]],
+    rows: list[tuple[str, Series]],
+    decorate: Callable[[Any, int], None],
+    marker: str | None,
+):
+    """A figure of the arms in ``groups``: one panel per facet (:func:`facets`), and per facet
+    one row of panels per quantity in ``rows`` ((y label, series)); a quantity shares one
+    y-scale over its panels (the pointwise rules' own). ``decorate(ax, row)`` adds what every
+    panel of a row has (axes scales, reference curves)."""
+    panels = facets(groups)
+    if len(rows) == 1:
+        nrow, ncol = grid(len(panels))
+        at = [divmod(i, ncol) for i in range(len(panels))]
+    else:
+        nrow, ncol = len(rows), len(panels)
+        at = [(0, i) for i in range(len(panels))]
+    many = len(panels) > 1  # a legend under each panel, else one beside the only one
+    fig, axes = plt.subplots(
+        nrow,
+        ncol,
+        figsize=(4.4 * ncol + 2.8 * (not many), (3.1 + 1.1 * many) * nrow),
+        squeeze=False,
+        layout="constrained",
+    )
+    for ax in axes.flat[len(panels) :] if len(rows) == 1 else []:
+        ax.axis("off")
+    for q, (ylabel, series) in enumerate(rows):
+        shared = []
+        for (r, c), facet in zip(at, panels):
+            ax = axes[r + q, c]
+            for label in facet.lines:
+                xs, vals = series(groups[label])
+                _band(ax, xs, vals, label, marker, ref=label in facet.refs)
+            decorate(ax, q)
+            ax.set_ylabel(ylabel)
+            if q == 0 and facet.title:
+                ax.set_title(facet.title, fontsize=9)
+            if not facet.own_scale:
+                shared.append(ax)
+            if many and (len(rows) == 1 or q == len(rows) - 1):
+                legend_below(ax)
+        _one_scale(shared)
+    if not many:
+        fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside right center", fontsize=8)
+    return fig
+
+
+def _save(plt, fig, path: Path, paths: list[Path]) -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     paths.append(path)
 
 
+def _log_lengths(xs: list[float], xlabel: str) -> Callable[[Any, int], None]:
+    def decorate(ax, _row: int) -> None:
+        ax.set(xscale="log", xlabel=xlabel)
+        ax.set_xticks(xs, [f"{x:g}x" for x in xs])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+
+    return decorate
+
+
+def passkey_chance(r: Result) -> float:
+    """Chance of guessing the key of ``r``'s passkey probes (its digits, as the probes drew
+    them: :attr:`lssar.studies.lm.passkey.PasskeySettings.chance`)."""
+    from lssar.studies.lm.passkey import PasskeySettings
+
+    digits = ((r.get("settings") or {}).get("passkey") or {}).get("digits", 5)
+    return PasskeySettings(digits=digits).chance
+
+
 def plot_results(results: list[Result], out_dir: Path) -> list[Path]:
-    """Loss vs length, loss by position, entropy/first-token mass vs length (with the uniform
-    attention values) and a passkey grid per arm, as PNG files in ``out_dir``."""
+    """Loss vs length, loss by position, entropy/first-token mass vs length and by row (with the
+    uniform attention values) and a passkey grid per arm, as PNG files in ``out_dir``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,30 +167,41 @@ def plot_results(results: list[Result], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     groups, paths = group(results), []
+    seeds = spread([len(rs) for rs in groups.values()])
+    r0 = results[0]
+    L = r0["train_len"]
+    lengths = list(r0["loss"])
+    xs = [int(t) / L for t in lengths]
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, rs in groups.items():
-        lengths = list(rs[0]["loss"])
-        xs = [int(t) / rs[0]["train_len"] for t in lengths]
-        _band(ax, xs, [[r["loss"][t] for t in lengths] for r in rs], label)
-    ax.set(xscale="log", xlabel="evaluation length / training length", ylabel="validation loss")
-    ax.set_xticks(xs, [f"{x:g}x" for x in xs])
-    several = any(len(rs) > 1 for rs in groups.values())
-    what = "mean, 95% band over seeds" if several else "one seed: no band"
-    ax.set_title(f"Loss vs length ({what})", fontsize=10)
-    _save(fig, out_dir / "loss_vs_length.png", paths)
+    def loss(rs):
+        return xs, [[r["loss"][t] for t in lengths] for r in rs]
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, rs in groups.items():
+    fig = _faceted(
+        plt,
+        groups,
+        [("validation loss", loss)],
+        _log_lengths(xs, "evaluation length / training length"),
+        "o",
+    )
+    fig.suptitle(f"Loss vs length ({seeds})", fontsize=10)
+    _save(plt, fig, out_dir / "loss_vs_length.png", paths)
+
+    def by_position(rs):
         pp = rs[0]["loss_by_position"]
         longest = max(int(t) for t in rs[0]["loss"])
         # each bucket's centre, not its left edge
-        xs = list((np.arange(len(pp)) + 0.5) * longest / len(pp) / rs[0]["train_len"])
-        _band(ax, xs, [r["loss_by_position"] for r in rs], label, marker=None)
-    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="position / training length", ylabel="loss")
-    ax.set_title("Loss by position in the longest window", fontsize=10)
-    _save(fig, out_dir / "loss_by_position.png", paths)
+        return list((np.arange(len(pp)) + 0.5) * longest / len(pp) / L), [
+            r["loss_by_position"] for r in rs
+        ]
+
+    def at_l(ax, _row: int) -> None:
+        ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("position / training length (bucket centres)")
+        ax.grid(alpha=0.3)
+
+    fig = _faceted(plt, groups, [("loss", by_position)], at_l, None)
+    fig.suptitle(f"Loss by position in the longest window ({seeds})", fontsize=10)
+    _save(plt, fig, out_dir / "loss_by_position.png", paths)
 
     diag = {
         k: rs
@@ -171,82 +212,117 @@ def plot_results(results: list[Result], out_dir: Path) -> list[Path]:
         )
     }
     if diag:
-        # beyond 1x only the rows past the training length: a mean over every row would be
-        # dominated by the early rows, which every length shares
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for label, rs in diag.items():
-            lengths = list(rs[0]["diagnostics"])
-            xs = [int(t) / rs[0]["train_len"] for t in lengths]
-            for ax, key in zip(axes, ("entropy", "sink")):
-                vals = [
-                    [float(np.mean(_beyond(r["diagnostics"][t], key))) for t in lengths] for r in rs
-                ]
-                _band(ax, xs, vals, label)
-        r0 = next(iter(diag.values()))[0]
-        first = r0["diagnostics"]
-        xs = [int(t) / r0["train_len"] for t in first]
-        for ax, key, what in zip(axes, ("entropy", "sink"), ("entropy (nats)", "mass on token 0")):
-            uniform = [_beyond(d, f"uniform_{key}") for d in first.values()]
-            ax.plot(xs, uniform, color="black", ls=(0, (4, 2)), lw=1, label="uniform attention")
-            ax.set(xscale="log", xlabel="length / training length", ylabel=f"mean row {what}")
-            ax.set_xticks(xs, [f"{x:g}x" for x in xs])
-        axes[1].set_yscale("log")
-        fig.suptitle(
-            "Rows beyond the training length (at 1x: every row); sigmoid and relu left off",
-            fontsize=10,
-        )
-        _save(fig, out_dir / "entropy_sink_vs_length.png", paths, legend_ax=axes[0])
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for label, rs in diag.items():
-            longest = list(rs[0]["diagnostics"])[-1]
-            d0 = rs[0]["diagnostics"][longest]
-            centres = [(a + b) / 2 / rs[0]["train_len"] for a, b in d0["row_bins"]]
-            for ax, key in zip(axes, ("entropy", "sink")):
-                vals = [r["diagnostics"][longest][f"{key}_by_row"] for r in rs]
-                _band(ax, centres, vals, label, marker=None)
-        d0 = r0["diagnostics"][list(r0["diagnostics"])[-1]]
-        centres = [(a + b) / 2 / r0["train_len"] for a, b in d0["row_bins"]]
-        for ax, key, what in zip(axes, ("entropy", "sink"), ("entropy (nats)", "mass on token 0")):
-            ax.plot(centres, d0[f"uniform_{key}_by_row"], color="black", ls=(0, (4, 2)), lw=1,
-                    label="uniform attention")  # fmt: skip
-            ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-            ax.set(xlabel="row position / training length", ylabel=f"row {what}")
-        axes[1].set_yscale("log")
-        fig.suptitle("By row position in the longest window (bin centres)", fontsize=10)
-        _save(fig, out_dir / "entropy_sink_by_row.png", paths, legend_ax=axes[0])
+        _diagnostics(plt, diag, out_dir, paths)
 
     pk = {k: rs for k, rs in groups.items() if all("passkey" in r for r in rs)}
     if pk:
-        ncol = min(4, len(pk))
-        nrow = -(-len(pk) // ncol)
-        fig, axes = plt.subplots(
-            nrow, ncol, figsize=(2.8 * ncol, 2.5 * nrow), squeeze=False, sharey=True
-        )
-        for ax in axes.flat[len(pk) :]:
-            ax.axis("off")
-        for ax, (label, rs) in zip(axes.flat, pk.items()):
-            acc = [r["passkey"]["accuracy"] for r in rs]
-            rows, depths = list(acc[0]), list(acc[0][next(iter(acc[0]))])
-            grid = np.array([[np.mean([a[t][d] for a in acc]) for d in depths] for t in rows])
-            ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            for (i, j), v in np.ndenumerate(grid):
-                ink = "white" if v < 0.6 else "black"
-                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color=ink)
-            ax.set_xticks(range(len(depths)), depths)
-            ax.set_yticks(range(len(rows)), [f"{int(t) // rs[0]['train_len']}x" for t in rows])
-            # learned: the test probes at 1x reach the target, as the report counts it
-            first = rows[0]
-            learned = sum(
-                np.mean(list(a[first].values()))
-                >= ((r.get("settings") or {}).get("passkey") or {}).get("target", 0.9)
-                for a, r in zip(acc, rs)
-            )
-            ax.set_title(f"{label}\n(learned at 1x: {learned}/{len(rs)} seeds)", fontsize=8)
-            ax.set_xlabel("depth", fontsize=8)
-        fig.suptitle("Passkey accuracy (mean over seeds): length x depth", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(out_dir / "passkey.png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        paths.append(out_dir / "passkey.png")
+        _passkey(plt, pk, out_dir, paths)
     return paths
+
+
+_WHAT = {"entropy": "entropy (nats)", "sink": "mass on token 0"}
+
+
+def _diagnostics(plt, diag: dict[str, list[Result]], out_dir: Path, paths: list[Path]) -> None:
+    """Entropy and first-token mass: vs length over the rows beyond the training length (at 1x
+    every row: a mean over every row would be dominated by the early rows, which every length
+    shares), and by row position in the longest window; each against uniform attention."""
+    seeds = spread([len(rs) for rs in diag.values()])
+    r0 = next(iter(diag.values()))[0]
+    L, first = r0["train_len"], r0["diagnostics"]
+    lengths = list(first)
+    xs = [int(t) / L for t in lengths]
+
+    def vs_length(key: str) -> Series:
+        return lambda rs: (
+            xs,
+            [[float(np.mean(_beyond(r["diagnostics"][t], key))) for t in lengths] for r in rs],
+        )
+
+    log_x = _log_lengths(xs, "length / training length")
+
+    def uniform_vs_length(ax, row: int) -> None:
+        log_x(ax, row)
+        key = ("entropy", "sink")[row]
+        ys = [_beyond(d, f"uniform_{key}") for d in first.values()]
+        ax.plot(xs, ys, color="black", ls=(0, (4, 2)), lw=1, label="uniform attention")
+        if key == "sink":
+            ax.set_yscale("log")
+
+    rows = [(f"mean row {_WHAT[k]}", vs_length(k)) for k in ("entropy", "sink")]
+    fig = _faceted(plt, diag, rows, uniform_vs_length, "o")
+    fig.suptitle(
+        f"Rows beyond the training length (at 1x: every row; {seeds}); sigmoid and relu left "
+        "off (rows do not sum to 1)",
+        fontsize=10,
+    )
+    _save(plt, fig, out_dir / "entropy_sink_vs_length.png", paths)
+
+    longest = lengths[-1]
+    d0 = first[longest]
+    centres = [(a + b) / 2 / L for a, b in d0["row_bins"]]
+
+    def by_row(key: str) -> Series:
+        return lambda rs: (centres, [r["diagnostics"][longest][f"{key}_by_row"] for r in rs])
+
+    def uniform_by_row(ax, row: int) -> None:
+        key = ("entropy", "sink")[row]
+        ys = d0[f"uniform_{key}_by_row"]
+        ax.plot(centres, ys, color="black", ls=(0, (4, 2)), lw=1, label="uniform attention")
+        ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("row position / training length (bin centres)")
+        ax.grid(alpha=0.3)
+        if key == "sink":
+            ax.set_yscale("log")
+
+    rows = [(f"row {_WHAT[k]}", by_row(k)) for k in ("entropy", "sink")]
+    fig = _faceted(plt, diag, rows, uniform_by_row, None)
+    fig.suptitle(f"By row position in the longest window ({seeds})", fontsize=10)
+    _save(plt, fig, out_dir / "entropy_sink_by_row.png", paths)
+
+
+def _passkey(plt, pk: dict[str, list[Result]], out_dir: Path, paths: list[Path]) -> None:
+    """One length x depth grid of accuracy per arm, on one colour scale (its bar marks chance)."""
+    nrow, ncol = grid(len(pk), 4)
+    fig, axes = plt.subplots(
+        nrow,
+        ncol,
+        figsize=(2.8 * ncol + 1.0, 2.6 * nrow + 0.4),
+        squeeze=False,
+        sharey=True,
+        layout="constrained",
+    )
+    for ax in axes.flat[len(pk) :]:
+        ax.axis("off")
+    chance = passkey_chance(next(iter(pk.values()))[0])
+    image = None
+    for ax, (label, rs) in zip(axes.flat, pk.items()):
+        acc = [r["passkey"]["accuracy"] for r in rs]
+        rows, depths = list(acc[0]), list(acc[0][next(iter(acc[0]))])
+        grid_ = np.array([[np.mean([a[t][d] for a in acc]) for d in depths] for t in rows])
+        image = ax.imshow(grid_, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for (i, j), v in np.ndenumerate(grid_):
+            ink = "white" if v < 0.6 else "black"
+            ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color=ink)
+        ax.set_xticks(range(len(depths)), depths)
+        ax.set_yticks(range(len(rows)), [f"{int(t) // rs[0]['train_len']}x" for t in rows])
+        # learned: the test probes at 1x reach the target, as the report counts it
+        first = rows[0]
+        learned = sum(
+            np.mean(list(a[first].values()))
+            >= ((r.get("settings") or {}).get("passkey") or {}).get("target", 0.9)
+            for a, r in zip(acc, rs)
+        )
+        ax.set_title(f"{label}\n(learned at 1x: {learned}/{len(rs)} seeds)", fontsize=8)
+        ax.set_xlabel("depth", fontsize=8)
+    bar = fig.colorbar(image, ax=axes, shrink=0.9, label="accuracy")
+    bar.ax.axhline(chance, color="red", lw=2)
+    ticks = [t for t in (0.0, 0.25, 0.5, 0.75, 1.0) if abs(t - chance) > 0.08]
+    bar.set_ticks(sorted([*ticks, chance]))
+    bar.set_ticklabels(
+        [f"chance {100 * t:.2g}%" if t == chance else f"{t:.0%}" for t in bar.get_ticks()]
+    )
+    n = sorted({len(rs) for rs in pk.values()})
+    what = "one seed" if n == [1] else f"mean over {'/'.join(map(str, n))} seeds"
+    fig.suptitle(f"Passkey accuracy ({what}): length x depth", fontsize=10)
+    _save(plt, fig, out_dir / "passkey.png", paths)

@@ -374,6 +374,10 @@ def write_report(
     lines += [
         "## Plots",
         "",
+        "Each arm has one colour and line style, the same in every report (LM, recall, orbits); "
+        "with many arms, one panel per family, softmax and LSSAR p=15 drawn thin beside it for "
+        "reference, on one y-scale (sigmoid and relu on their own).",
+        "",
         "![loss vs length](loss_vs_length.png)",
         "![loss by position](loss_by_position.png)",
         "![entropy and first-token mass](entropy_sink_vs_length.png)",

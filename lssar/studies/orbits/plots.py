@@ -1,6 +1,7 @@
 """The figures of ``lssar orbits``' report: the force probes' predictions and the power-law
-exponents against their noise ceilings. One colour per arm (:func:`colour`, the LM study's colour
-for the same attention), legends outside the axes, intervals over seeds."""
+exponents against their noise ceilings. One colour per arm (:func:`lssar.studies.style.colour`:
+the LM and recall reports' colour of the same arm; ``lssar`` is LSSAR p=15, ``softmax-local``
+the window control), legends outside the axes, intervals over seeds."""
 
 from __future__ import annotations
 
@@ -12,24 +13,9 @@ import numpy as np
 from lssar.studies.orbits.ceiling import EXPONENTS, TARGET
 from lssar.studies.orbits.judging import Result, by_seed
 from lssar.studies.stats import mean_ci
+from lssar.studies.style import colour, spread
 
-# the attention arms take lssar.studies.lm.figures.COLOURS' colour of the same rule (a test
-# holds them equal); the controls without an LM twin get colours of their own
-COLOURS = {
-    "softmax": "#1f77b4",
-    "lssa": "#2ca02c",
-    "lssar-p3": "#e377c2",
-    "lssar": "#d62728",
-    "softmax-local": "#17becf",
-    "scratch": "#8c6d31",
-    "softmax-masses": "#393b79",
-    "oracle": "#000000",
-}
 LABELS = {"alpha": "α (m1)", "beta": "β (m2)", "gamma": "γ (r)", "max_err": "max exponent error"}
-
-
-def colour(arm: str) -> str:
-    return COLOURS.get(arm, "#7f7f7f")
 
 
 def force_scatter(results: list[Result], out: Path, first_step: int) -> str | None:
@@ -111,8 +97,9 @@ def exponents(results: list[Result], out: Path) -> str:
             LABELS[k] + ("" if k == "max_err" else f": Newton {TARGET[EXPONENTS.index(k)]:g}"),
             fontsize=9,
         )
+    what = spread([len(runs) for runs in arms.values()], "interval")
     handles = [
-        Line2D([], [], marker="D", color="0.3", lw=1.6, label="mean, 95% t interval over seeds"),
+        Line2D([], [], marker="D", color="0.3", lw=1.6, label=what.replace(", ", ",\n", 1)),
         Line2D([], [], marker="o", mfc="none", color="0.3", ls="", label="one seed"),
         Patch(color="0.8", label="noise ceiling: exact law\n+ this arm's probe noise"),
         Line2D([], [], color="k", lw=0.8, label="Newton (1, 1, −2)"),

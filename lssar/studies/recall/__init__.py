@@ -1,7 +1,7 @@
 """The associative-recall length-extrapolation study (``lssar recall``).
 
 ``task``: the seeded generator; ``study``: arms, presets, training, evaluation, caching;
-``report``: REPORT.md and plots from the tidy rows. ``lssar.studies.stats`` holds the
+``report``: REPORT.md from the tidy rows, ``plots`` its figures. ``lssar.studies.stats`` holds the
 intervals/verdicts.
 """
 

@@ -1,5 +1,6 @@
 """REPORT.md, results.json and plots of the recall study, generated from the tidy rows only
-(plus, for the attention-map figure, the trained models of the first seed)."""
+(plus, for the attention-map figure, the trained models of the first seed); the figures are
+:mod:`.plots`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lssar.studies.common import provenance_head
 from lssar.studies.common import write_report as write_files
-from lssar.studies.recall.model import window_mask
-from lssar.studies.recall.presets import ARMS, EVAL_PS, EVAL_SEED, eval_label, eval_ps
+from lssar.studies.recall.plots import plot_accuracy, plot_attention_maps
+from lssar.studies.recall.presets import ARMS, EVAL_PS, eval_label
 from lssar.studies.stats import mean_ci, verdict
 
 # the practitioner's alternatives (issue #24), as row labels: trained arms and eval-only rules
@@ -23,21 +22,12 @@ ALTERNATIVES = [
     if a.pos != "rope" or not a.own_rule
     for label in ([a.name] if a.own_rule else [eval_label(a, r) for r in a.evals])
 ]
-# One colour per arm, the same in every figure.
+# the order of the rows (and of the arms in a figure's panels)
 _ORDER = (
     [name for name, a in ARMS.items() if a.own_rule and name not in ALTERNATIVES]
     + [eval_label(ARMS["lssa"], p) for p in EVAL_PS]
     + ALTERNATIVES
 )
-_PALETTE = [
-    "#d62728", "#ff7f0e", "#8c564b", "#1f77b4", "#2ca02c", "#98df8a", "#7f7f7f",
-    "#c5b0d5", "#b39ddb", "#9467bd", "#7e57c2", "#5e35b1", "#311b92",
-    "#e6550d", "#636363", "#fd8d3c", "#6baed6", "#3182bd", "#08519c", "#08306b",
-]  # fmt: skip
-
-
-def color(label: str) -> str:
-    return _PALETTE[_ORDER.index(label) % len(_PALETTE)] if label in _ORDER else "#000000"
 
 
 def _cells(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[int, dict[str, Any]]]:
@@ -317,162 +307,18 @@ def write_report(
         "",
         "## Plots",
         "",
+        "Colours and line styles are every report's (one per arm: the LM and orbits reports "
+        "draw the same arm alike); the dotted black line is chance.",
+        "",
         "![accuracy vs length](accuracy_vs_length.png)",
         "![distance split](distance_split.png)",
     ]
-    plot_accuracy(rows, out)
+    plot_accuracy(cells, arms, out, chance=1 / task["n_pairs"])
     if models:
         plot_attention_maps(models, cfg, out)
         lines.append("![attention maps](attention_maps.png)")
     lines += ["", "## Environment", "", "```", json.dumps(meta.get("env", {}), indent=1), "```", ""]
     return write_files(out, lines, {"rows": rows, "meta": meta})
-
-
-# ----------------------------------------------------------------------------------- plots
-
-
-def _series(cells, arm, multiples, dist):
-    xs, ys, es = [], [], []
-    for m in multiples:
-        x = _accs(cells, arm, m, dist)
-        if x is None:
-            continue
-        iv = mean_ci(x)
-        xs.append(m)
-        ys.append(100 * iv.mean)
-        es.append(0.0 if iv.half is None else 100 * iv.half)
-    return xs, ys, es
-
-
-def plot_accuracy(rows, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells, arms = _cells(rows), _arms(rows)
-    multiples = sorted({r["length_multiple"] for r in rows})
-    fig, ax = plt.subplots(figsize=(7.5, 4))
-    for a in arms:
-        xs, ys, es = _series(cells, a, multiples, "all")
-        ls = "--" if "(eval)" in a else "-"
-        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=color(a), ls=ls, label=a)
-    ax.set(
-        xscale="log",
-        xlabel="evaluation length / training length",
-        ylabel="accuracy (%)",
-        ylim=(-2, 102),
-        title="Associative recall: accuracy vs length (all distances)",
-    )
-    ax.set_xticks(multiples, [f"{m}x" for m in multiples])
-    ax.grid(alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
-    fig.savefig(out / "accuracy_vs_length.png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, dist in zip(axes, ("within", "beyond")):
-        for a in arms:
-            xs, ys, es = _series(cells, a, multiples, dist)
-            if xs:
-                ls = "--" if "(eval)" in a else "-"
-                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=color(a), ls=ls, label=a)
-        ax.set(
-            xscale="log",
-            xlabel="evaluation length / training length",
-            title=f"key-query distance {dist} the training length",
-            ylim=(-2, 102),
-        )
-        ax.set_xticks(multiples, [f"{m}x" for m in multiples])
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy (%)")
-    h, lab = axes[0].get_legend_handles_labels()
-    fig.legend(h, lab, loc="center left", bbox_to_anchor=(0.91, 0.5), fontsize=8)
-    fig.subplots_adjust(right=0.9)
-    fig.savefig(out / "distance_split.png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-def _pair(cfg, key_pos: int) -> list[int]:
-    """The two positions of a stored pair: its key and its value (kv: value after the key)."""
-    return [key_pos, key_pos + (1 if cfg.task.pair_order == "kv" else -1)]
-
-
-@torch.no_grad()
-def retrieval_layer(model, cfg, arm) -> int:
-    """The layer whose attention (mean over heads) puts the most weight on the queried pair at
-    the training length, with the model's own rule: where the retrieval happens."""
-    L = cfg.task.train_len
-    b = cfg.task.batch((EVAL_SEED, 1, 0), L, 20)
-    ws: list = []
-    model(b["tokens"], weights=ws, attn_mask=window_mask(L, L) if arm.window else None)
-    score = []
-    for w in ws:  # (B, H, T, T)
-        w = w.float().mean(1)  # (B, T, T)
-        tot = 0.0
-        for i in range(b["query_pos"].shape[0]):
-            for q, k in zip(b["query_pos"][i].tolist(), b["key_pos"][i].tolist()):
-                tot += float(w[i, q, _pair(cfg, k)].sum())
-        score.append(tot)
-    return int(max(range(len(score)), key=score.__getitem__))
-
-
-@torch.no_grad()
-def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
-    """One query's weights (mean over heads) over a sequence at the longest length, one panel
-    per arm (and the LSSA model with eval-time p=15 when it is in the study), in the layer that
-    retrieves (:func:`retrieval_layer`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    L = cfg.task.train_len
-    mult = max(cfg.multiples)
-    T = mult * L
-    b = cfg.task.batch((EVAL_SEED, mult, 0), T, 1)
-    j = cfg.task.n_queries - 1  # the last query is in the "beyond" bucket when T > L
-    q, k = int(b["query_pos"][0, j]), int(b["key_pos"][0, j])
-    panels = []
-    for name, (model, arm) in models.items():
-        if not arm.own_rule:  # eval-only rules on another arm's model: not a model of its own
-            continue
-        panels.append((name, model, arm, None))
-        if eval_ps(arm):
-            panels.append((eval_label(arm, 15.0), model, arm, 15.0))
-    fig, axes = plt.subplots(
-        len(panels), 1, figsize=(9, 1.6 * len(panels) + 0.6), sharex=True, squeeze=False
-    )
-    for ax, (label, model, arm, p) in zip(axes[:, 0], panels):
-        layer = retrieval_layer(model, cfg, arm)
-        if p is not None:
-            model.set_attention("lssar", {"p": p})
-        ws: list = []
-        mask = window_mask(T, L) if arm.window else None
-        logits, _ = model(b["tokens"], weights=ws, attn_mask=mask)
-        model.set_attention(arm.attention.name, dict(arm.attention.options))
-        w = ws[layer][0, :, q, : q + 1].float().mean(0).numpy()
-        ok = int(logits[0, q].argmax()) == int(b["answer"][0, j])
-        ax.plot(range(q + 1), w, color=color(label), lw=0.8)
-        ax.axvline(k, color="k", ls=":", lw=1)
-        ax.axvspan(q - L + 1, q, color="0.9", zorder=0)
-        ax.set_ylabel("weight", fontsize=7)
-        ax.set_title(
-            f"{label} (layer {layer + 1}): weight on the queried pair "
-            f"{w[_pair(cfg, k)].sum():.2f}, answer {'correct' if ok else 'wrong'}",
-            fontsize=8,
-            loc="left",
-        )
-    axes[-1, 0].set_xlabel(
-        f"key position (query at {q}; dotted: the queried pair at {k}, "
-        f"distance {q - k}; grey: the last {L} tokens)"
-    )
-    fig.suptitle(
-        f"Attention of one query at {mult}x (mean over heads, in the layer that retrieves at 1x)",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(out / "attention_maps.png", dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------- pilot
