@@ -5,7 +5,9 @@ For each (variant, impl, T, dtype): forward time, forward+backward time and peak
 measured in the same run; the cases are interleaved round by round, so a slow spell of a shared
 machine hits them alike. A last row times the GEMMs alone (the floor of any fused causal kernel).
 The ALiBi rows (``+alibi``: softmax with ALiBi's bias, the standard slopes of H heads) show what
-the SDPA path's query blocks cost against plain SDPA softmax and the materialised reference.
+the SDPA path's query blocks cost against plain SDPA softmax and the materialised reference. The
+packed rows (documents of 512 tokens, ``cu_seqlens``) and window rows (512 keys, ``window=(511,
+0)``) show the block-skipping paths: their time and memory grow as T x 512, not T^2.
 Prints a Markdown table and the machine, threads and torch version.
 
     python benchmarks/attention.py                 # full grid: T = 1K..16K, fp32 and bf16
@@ -13,6 +15,7 @@ Prints a Markdown table and the machine, threads and torch version.
     python benchmarks/attention.py --lengths 4096 --dtypes fp32 --out table.md
     python benchmarks/attention.py --threads 1     # one core: steadier ratios on a busy VM
     python benchmarks/attention.py --cases ALiBi --lengths 4096 16384   # SDPA + the ALiBi rows
+    python benchmarks/attention.py --cases packed window --lengths 4096 16384 --dtypes fp32
 
 The materialised reference is skipped where its T x T buffers would not fit (``--ref-max-t``).
 """
@@ -46,8 +49,16 @@ CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax-qknorm-logn (SDPA)", "softmax-qknorm-logn", "sdpa"),
     ("softmax + ALiBi (SDPA, query blocks)", "softmax", "sdpa+alibi"),
     ("softmax + ALiBi reference", "softmax", "reference+alibi"),
+    # issue #26: packed documents (cu_seqlens) and a sliding window, O(T * W) work and memory
+    ("softmax (SDPA), packed docs of 512", "softmax", "sdpa+packed"),
+    ("lssar p=15 cpu, packed docs of 512", "lssar", "cpu+packed"),
+    ("lssar p=15 chunked, packed docs of 512", "lssar", "chunked+packed"),
+    ("softmax (SDPA), window 512", "softmax", "sdpa+window"),
+    ("lssar p=15 cpu, window 512", "lssar", "cpu+window"),
+    ("lssar p=15 chunked, window 512", "lssar", "chunked+window"),
     ("QK^T and PV GEMMs only (floor)", None, "gemm"),
 ]
+SPAN = 512  # the packed rows' document length and the window's keys
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -106,7 +117,14 @@ def case_fns(variant: str, impl: str, q, k, v):
         return (lambda: gemm_floor(q, k, v)), None
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     impl, _, extra = impl.partition("+")
-    kw = {"alibi_slopes": alibi_slopes(q.shape[1])} if extra == "alibi" else {}
+    t = q.shape[2]
+    kw = {
+        "alibi": {"alibi_slopes": alibi_slopes(q.shape[1])},
+        # documents of SPAN tokens (the last one shorter)
+        "packed": {"cu_seqlens": torch.tensor([*range(0, t, SPAN), t], dtype=torch.int32)},
+        "window": {"window": (SPAN - 1, 0)},
+        "": {},
+    }[extra]
 
     def fwd():
         with torch.no_grad():

@@ -640,7 +640,7 @@ def test_no_backend_imports_the_registry():
         "import sys, lssar\n"
         "loaded = [m for m in sys.modules if m.startswith('lssar.ops.')]\n"
         "assert sorted(loaded) == ['lssar.ops.common', 'lssar.ops.registry', "
-        "'lssar.ops.variants'], loaded\n"
+        "'lssar.ops.spans', 'lssar.ops.variants'], loaded\n"
         "assert 'triton' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
