@@ -1,0 +1,209 @@
+"""README findings, checked against the reports they quote.
+
+Every number the README states about a finding carries a marker, an HTML comment (invisible
+when rendered) at the end of its bullet or paragraph::
+
+    LSSAR − it = +0.244 ± 0.054 <!-- check reports/cpu-baselines-2026-12-03:
+        loss "lssar p=15" - "softmax + alibi" @16 = +0.244 ± 0.054; sig -->
+
+``python -m lssar.studies.findings README.md`` (and ``tests/test_findings.py``) recomputes each
+marker's quantity from the report's ``results.json`` with the reports' own statistics (means and
+95% t-intervals over seeds, differences paired by seed), and fails when
+
+- the recomputed value, rounded as the quoted text is, differs from it;
+- the quoted text is not in the bullet or paragraph the marker closes (so the marker vouches for
+  what a reader sees; markers may follow each other at the end of a bullet);
+- the marker's verdict disagrees with the interval: ``sig`` (the interval excludes 0: "beats",
+  "worse", "supported") or ``ns`` (it includes 0: "within noise", "not separable");
+- the findings use "matches", "ties" or "as well as", which only an equivalence test may say:
+  the LM reports print those verdicts themselves (TOST against a stated margin).
+
+Quantities (``@M``: the length multiple; ``beyond`` / ``within`` / ``all``: recall's distance):
+
+- ``loss "A" @16``, ``loss "A" - "B" @16``, ``loss "A" / "B" @1`` (relative: A / B - 1),
+  ``loss "A" @16/1`` (the 16x / 1x ratio): validation loss of the LM reports;
+- ``passkey "A" @2``: passkey accuracy (mean over depths) of the LM reports;
+- ``sink "A" @16``: first-token attention mass (mean over layers) of the LM reports;
+- ``recall "A" @16 beyond``, ``recall "A" - "B" @16 beyond``: recall accuracy.
+
+Percent-valued text (``60.1 ± 6.9%``, ``−37.6 ± 9.3 points``) is compared as a fraction x 100.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from lssar.studies.stats import Interval, mean_ci
+
+MARKER = re.compile(
+    r"<!--\s*check\s+(?P<report>\S+?):\s*(?P<expr>.+?)\s+=\s+(?P<text>[^;]+?)"
+    r"(?:;\s*(?P<verdict>sig|ns))?\s*-->",
+    re.S,
+)
+_EXPR = re.compile(
+    r'(?P<q>loss|passkey|sink|recall)\s+"(?P<a>[^"]+)"'
+    r'(?:\s*(?P<op>[-/])\s*"(?P<b>[^"]+)")?'
+    r"\s*@(?P<m>\d+)(?:/(?P<base>\d+))?(?:\s+(?P<dist>beyond|within|all))?$"
+)
+_NUMBER = re.compile(r"[+\-−]?\d+(?:\.\d+)?")
+# only an equivalence test may say these (issue #25); the LM reports print its verdicts
+EQUIVALENCE_WORDS = ("matches", "ties", "as well as")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One marker: where it is, what it claims and what the report gives."""
+
+    line: int
+    report: str
+    expr: str
+    text: str
+    verdict: str | None
+    got: Interval | None = None
+    problem: str | None = None
+
+
+def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> dict[int, float]:
+    """seed -> the quantity ``q`` of ``arm`` at multiple ``m`` in the report's results.json."""
+    data = json.loads((report / "results.json").read_text())
+    if q == "recall":
+        rows = data["rows"]
+        out = {
+            r["seed"]: r["accuracy"]
+            for r in rows
+            if r["arm"] == arm and r["length_multiple"] == m and r["distance"] == (dist or "all")
+        }
+    else:
+        from lssar.studies.lm.figures import label_of
+
+        out = {}
+        for r in data["results"]:
+            if label_of(r) != arm:
+                continue
+            length = str(m * r["train_len"])
+            if q == "loss":
+                v = r["loss"].get(length)
+            elif q == "passkey":
+                acc = (r.get("passkey") or {}).get("accuracy", {}).get(length)
+                v = None if not acc else sum(acc.values()) / len(acc)
+            else:  # sink: first-token mass, mean over layers
+                d = r["diagnostics"].get(length)
+                v = None if not d else sum(d["sink"]) / len(d["sink"])
+            if v is not None:
+                out[r["config"]["seed"]] = v
+    if not out:
+        raise KeyError(f"{q} of {arm!r} at {m}x{f' ({dist})' if dist else ''}: not in the report")
+    return out
+
+
+def quantity(report: Path, expr: str) -> Interval:
+    """The interval a marker's expression names (see the module docstring)."""
+    e = _EXPR.match(expr.strip())
+    if e is None:
+        raise ValueError(f"cannot read the expression {expr!r}")
+    q, a, b, op = e["q"], e["a"], e["b"], e["op"]
+    m, base, dist = int(e["m"]), e["base"], e["dist"]
+    va = _seed_values(report, q, a, m, dist)
+    if base is not None:  # a ratio of lengths: per seed, A at m over A at base
+        vb = _seed_values(report, q, a, int(base), dist)
+        return mean_ci([va[s] / vb[s] for s in sorted(set(va) & set(vb))])
+    if b is None:
+        return mean_ci([va[s] for s in sorted(va)])
+    vb = _seed_values(report, q, b, m, dist)
+    seeds = sorted(set(va) & set(vb))
+    if op == "-":
+        return mean_ci([va[s] - vb[s] for s in seeds])
+    return mean_ci([va[s] / vb[s] - 1 for s in seeds])
+
+
+def _agrees(text: str, iv: Interval) -> str | None:
+    """None when ``iv`` rounds to ``text`` ("mean" or "mean ± half", percent or not)."""
+    nums = _NUMBER.findall(text)
+    if not nums or len(nums) > 2:
+        return f"cannot read {text!r} as 'mean' or 'mean ± half-width'"
+    scale = 100.0 if "%" in text or "points" in text else 1.0
+    for num, value in zip(nums, (iv.mean, iv.half)):
+        if value is None:
+            return f"{text!r} quotes a half-width, but the report has one seed"
+        digits = len(num.split(".")[1]) if "." in num else 0
+        quoted = float(num.replace("−", "-"))
+        if abs(round(value * scale, digits) - quoted) > 0.51 * 10.0**-digits:
+            return f"{text!r}: the report gives {value * scale:.{digits + 2}f}"
+    return None
+
+
+def _verdict_problem(verdict: str | None, iv: Interval) -> str | None:
+    if verdict is None or iv.lo is None:
+        return None if verdict is None else f"verdict {verdict!r} needs more than one seed"
+    excludes = iv.lo > 0 or iv.hi < 0
+    if verdict == "sig" and not excludes:
+        return f"says 'sig' but the interval [{iv.lo:.4f}, {iv.hi:.4f}] includes 0"
+    if verdict == "ns" and excludes:
+        return f"says 'ns' but the interval [{iv.lo:.4f}, {iv.hi:.4f}] excludes 0"
+    return None
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"\s+", " ", s.replace("−", "-"))
+
+
+def check_text(readme: str, root: Path) -> list[Check]:
+    """Every marker of ``readme`` (reports relative to ``root``), checked."""
+    out = []
+    for mk in MARKER.finditer(readme):
+        line = readme.count("\n", 0, mk.start()) + 1
+        c = Check(line, mk["report"], _norm(mk["expr"]), mk["text"].strip(), mk["verdict"])
+        try:
+            iv = quantity(root / c.report, c.expr)
+        except (OSError, KeyError, ValueError) as exc:
+            out.append(Check(**{**c.__dict__, "problem": str(exc)}))
+            continue
+        # the bullet or paragraph the marker ends (its markers removed)
+        start = max(readme.rfind("\n- ", 0, mk.start()), readme.rfind("\n\n", 0, mk.start()))
+        before = MARKER.sub("", readme[max(start, 0) : mk.start()])
+        problem = _agrees(c.text, iv) or _verdict_problem(c.verdict, iv)
+        if problem is None and _norm(c.text) not in _norm(before):
+            problem = f"{c.text!r} is not in the sentence before the marker"
+        out.append(Check(**{**c.__dict__, "got": iv, "problem": problem}))
+    return out
+
+
+def findings_section(readme: str) -> str:
+    """The README's findings: from "What the committed reports show" to the next heading."""
+    start = readme.find("What the committed reports show")
+    if start < 0:
+        return ""
+    end = readme.find("\n## ", start)
+    return readme[start : end if end > 0 else len(readme)]
+
+
+def equivalence_words(text: str) -> list[str]:
+    """The words of :data:`EQUIVALENCE_WORDS` used in ``text`` outside markers."""
+    plain = MARKER.sub("", text).lower()
+    return [w for w in EQUIVALENCE_WORDS if re.search(rf"\b{w}\b", plain)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    path = Path((argv if argv is not None else sys.argv[1:] or ["README.md"])[0])
+    text = path.read_text()
+    checks = check_text(text, path.resolve().parent)
+    bad = [c for c in checks if c.problem]
+    for c in checks:
+        status = "FAIL" if c.problem else "ok"
+        print(
+            f"{status:4} {path}:{c.line} {c.report}: {c.expr} = {c.text}"
+            + (f"  -- {c.problem}" if c.problem else "")
+        )
+    words = equivalence_words(findings_section(text))
+    if words:
+        print(f"FAIL the findings say {', '.join(map(repr, words))}: only an equivalence test may")
+    print(f"{len(checks) - len(bad)} of {len(checks)} markers agree with their reports")
+    return 1 if bad or words else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
