@@ -286,7 +286,6 @@ def test_passkey_probe_construction_and_scoring(runs):
     acc, split = scores["accuracy"], scores["by_distance"]
     assert set(acc) == {"96", "192"} and set(acc["96"]) == {"0.1", "0.9"}
     assert all(0.0 <= a <= 1.0 for row in acc.values() for a in row.values())
-    assert acc == pk.passkey_accuracy(tuned, tok, filler, [96, 192], [0.1, 0.9], trials=2)
     # at 1x every key is within L; at 2x depth 0.1 puts it ~160 tokens back (beyond 96), depth
     # 0.9 ~70 (within): the buckets hold exactly those probes and their hits
     assert split["96"] == {"within": {"hits": round(2 * sum(acc["96"].values())), "n": 4},

@@ -174,20 +174,3 @@ def passkey_scores(
                 bucket["n"] += 1
             acc[str(t)][f"{d:g}"] = hits / trials
     return {"accuracy": acc, "by_distance": split}
-
-
-def passkey_accuracy(
-    model: GPT,
-    tok,
-    filler: np.ndarray,
-    lengths: list[int],
-    depths: list[float],
-    trials: int,
-    seed: int = 1,
-    digits: int = 5,
-    window: int | None = None,
-) -> dict[str, dict[str, float]]:
-    """The ``{length: {depth: accuracy}}`` grid of :func:`passkey_scores`."""
-    return passkey_scores(model, tok, filler, lengths, depths, trials, seed, digits, window)[
-        "accuracy"
-    ]
