@@ -36,7 +36,7 @@ from lssar.ops.common import (
     unit,
     visible_counts,
 )
-from lssar.ops.spans import KeySpans, block_visibility
+from lssar.ops.spans import KeySpans, add_at_keys, block_visibility
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
 # Fused backward: score elements per block of query rows (per thread, each of its 3-4 slabs 2 MB
@@ -242,14 +242,6 @@ def _spans_of(lo: Tensor | None, hi, sink_lo, sink_hi, t_k: int) -> KeySpans | N
     return KeySpans(lo, hi, sink_lo, sink_hi, hi, t_k)  # pos: unused here
 
 
-def _add_keys(dst: Tensor, keys: slice | Tensor, x: Tensor) -> None:
-    """``dst[:, :, keys] += x`` for a slice or an index of distinct keys."""
-    if isinstance(keys, slice):
-        dst[:, :, keys] += x
-    else:
-        dst.index_add_(2, keys, x)
-
-
 def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
     """The fused kernel by blocks of rows over only the keys they may see (documents, a
     window): ``[out]`` (forward of ``q, k, v``) or ``[dq, dk, dv]`` (backward of ``grad, q, k,
@@ -276,8 +268,8 @@ def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
             return None
         outs[0][:, :, i0:i1] = got[0].reshape(outs[0][:, :, i0:i1].shape)
         if not forward:
-            _add_keys(outs[1], keys, got[1].reshape(kb.shape))
-            _add_keys(outs[2], keys, got[2].reshape(vb.shape))
+            add_at_keys(outs[1], keys, got[1].reshape(kb.shape))
+            add_at_keys(outs[2], keys, got[2].reshape(vb.shape))
     return outs
 
 
@@ -391,9 +383,9 @@ def softplus_attention_backward_op(
         if m is not None:
             ds = torch.where(m, ds, 0.0)
         ds = ds * c  # d/d(q.k): the row scale applied to the slab, as to the scores
-        _add_keys(dv, keys, num.transpose(-1, -2) @ g_den)
+        add_at_keys(dv, keys, num.transpose(-1, -2) @ g_den)
         dq[:, :, i0:i1] = ds @ kb
-        _add_keys(dk, keys, ds.transpose(-1, -2) @ qb)
+        add_at_keys(dk, keys, ds.transpose(-1, -2) @ qb)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

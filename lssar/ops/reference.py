@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lssar.ops.common import (
     alibi_bias,
+    as_4d,
     centred_rows,
     combined_mask,
     compute_dtype,
@@ -141,6 +142,7 @@ def attention_weights(
         n = visible_counts(attn_mask, is_causal, t_q, t_k, q.device).to(dtype)
         q_pos = torch.arange(t_q, device=q.device) + t_k - t_q
     else:
+        attn_mask = as_4d(attn_mask)
         mask = spans.dense() if attn_mask is None else (attn_mask & spans.dense())
         n, q_pos = span_counts(spans, attn_mask).to(dtype), spans.pos
     s = scores(q, k, n, variant, scale, options)

@@ -31,7 +31,7 @@ from lssar.ops.common import (
     unit,
     visible_counts,
 )
-from lssar.ops.spans import KeySpans, block_visibility, span_counts
+from lssar.ops.spans import KeySpans, add_at_keys, block_visibility, span_counts
 
 # Elements of one query block's float bias (B|1, H, rows, T_k): 2**23 fp32 values = 32 MiB, e.g.
 # 256 rows of 8 heads over 4K keys, 64 rows at 16K keys.
@@ -168,8 +168,8 @@ def _blocked(
     slope_b = slopes.shape[0] if slopes is not None and slopes.dim() == 2 else 1
     per_row = max(slope_b, mask_b) * h * max(t_k, 1)
     rows = max(1, min(t_q, ALIBI_BLOCK_ELEMENTS // per_row))
-    # several blocks under autograd: recompute each block's bias in the backward instead of
-    # keeping all of them (together they are T_q x T_k); one block keeps the plain graph
+    # several blocks under autograd: recompute each block in the backward instead of keeping
+    # every block's bias and weights (together T_q x T_k); one block keeps the plain graph
     recompute = (
         rows < t_q
         and torch.is_grad_enabled()
@@ -178,7 +178,7 @@ def _blocked(
     )
     offset = t_k - t_q  # bottom-right: query row i sits at absolute position offset + i
     all_pos = spans.pos if spans is not None else torch.arange(t_q, device=q.device) + offset
-    outs = []
+    plan = []  # (rows r0:r1, their keys (None: none), visibility, row positions, key positions)
     for r0 in range(0, t_q, rows):
         r1 = min(t_q, r0 + rows)
         if spans is not None:
@@ -191,18 +191,62 @@ def _blocked(
                 m = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., r0:r1, :]
                 m = m if m.shape[-1] == 1 else m[..., :k_end]
                 visible = m if visible is None else (m & visible)
+        key_pos = None
+        if keys is not None:
+            key_pos = (
+                keys
+                if not isinstance(keys, slice)
+                else torch.arange(keys.start, keys.stop, device=q.device)
+            )
+        plan.append((r0, r1, keys, visible, all_pos[r0:r1], key_pos))
+    kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+    if recompute and dropout_p == 0:
+        return _Blocks.apply(q, k, v, slopes, plan, kw).to(dtype)
+    outs = []
+    for r0, r1, keys, visible, pos, key_pos in plan:
         if keys is None:
             outs.append(q.new_zeros(b, h, r1 - r0, value.shape[-1]))
             continue
-        key_pos = (
-            torch.arange(keys.start, keys.stop, device=q.device)
-            if isinstance(keys, slice)
-            else keys
-        )
-        args = (q[:, :, r0:r1], k[:, :, keys], v[:, :, keys], slopes, visible, all_pos[r0:r1])
-        kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
-        if recompute:
-            outs.append(checkpoint(_block, *args, key_pos, use_reentrant=False, **kw))
+        args = (q[:, :, r0:r1], k[:, :, keys], v[:, :, keys], slopes, visible, pos, key_pos)
+        if recompute:  # dropout: checkpoint replays each block's random mask
+            outs.append(checkpoint(_block, *args, use_reentrant=False, **kw))
         else:
-            outs.append(_block(*args, key_pos, **kw))
+            outs.append(_block(*args, **kw))
     return torch.cat(outs, dim=2).to(dtype)
+
+
+class _Blocks(torch.autograd.Function):
+    """The blocks under autograd, memory and traffic O(T * block): the forward keeps nothing but
+    the inputs and the plan; the backward recomputes each block's graph on its own rows and keys
+    and adds its gradients into ``dq, dk, dv`` in place. (Slicing under autograd would hand every
+    block a zero-filled gradient as large as the whole input: O(T^2 / block) traffic.)"""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, plan, kw):
+        ctx.save_for_backward(q, k, v, slopes)
+        ctx.plan, ctx.kw = plan, kw
+        out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+        for r0, r1, keys, visible, pos, key_pos in plan:
+            if keys is not None:
+                args = (k[:, :, keys], v[:, :, keys], slopes, visible, pos, key_pos)
+                out[:, :, r0:r1] = _block(q[:, :, r0:r1], *args, **kw)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, slopes = ctx.saved_tensors
+        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+        for r0, r1, keys, visible, pos, key_pos in ctx.plan:
+            if keys is None:
+                continue
+            with torch.enable_grad():
+                qb, kb, vb = (
+                    t.detach().requires_grad_()
+                    for t in (q[:, :, r0:r1], k[:, :, keys], v[:, :, keys])
+                )
+                out = _block(qb, kb, vb, slopes, visible, pos, key_pos, **ctx.kw)
+                gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), grad[:, :, r0:r1])
+            dq[:, :, r0:r1] += gq
+            add_at_keys(dk, keys, gk)
+            add_at_keys(dv, keys, gv)
+        return dq, dk, dv, None, None, None

@@ -240,6 +240,15 @@ def block_visibility(spans: KeySpans, mask: Tensor | None, i0: int, i1: int):
     return keys, m
 
 
+def add_at_keys(dst: Tensor, keys: slice | Tensor, x: Tensor) -> None:
+    """``dst[:, :, keys] += x`` in place, for a :meth:`KeySpans.key_index` (a slice or an index
+    of distinct keys): how the blocked paths add a block's key gradients."""
+    if isinstance(keys, slice):
+        dst[:, :, keys] += x
+    else:
+        dst.index_add_(2, keys, x)
+
+
 def span_counts(spans: KeySpans, attn_mask: Tensor | None) -> Tensor:
     """``N_i``: float32 ``(B|1, H|1, T_q, 1)``, the keys each row's spans hold that ``attn_mask``
     (4-dim or None; never with documents) also allows. O(T) without a mask or with key padding."""
