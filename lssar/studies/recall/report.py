@@ -12,7 +12,6 @@ import torch
 
 from lssar.studies.common import provenance_head
 from lssar.studies.common import write_report as write_files
-from lssar.studies.recall.model import window_mask
 from lssar.studies.recall.presets import ARMS, EVAL_PS, EVAL_SEED, eval_label, eval_ps
 from lssar.studies.stats import mean_ci, verdict
 
@@ -404,7 +403,7 @@ def retrieval_layer(model, cfg, arm) -> int:
     L = cfg.task.train_len
     b = cfg.task.batch((EVAL_SEED, 1, 0), L, 20)
     ws: list = []
-    model(b["tokens"], weights=ws, attn_mask=window_mask(L, L) if arm.window else None)
+    model(b["tokens"], weights=ws, window=L if arm.window else None)
     score = []
     for w in ws:  # (B, H, T, T)
         w = w.float().mean(1)  # (B, T, T)
@@ -447,8 +446,7 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> None:
         if p is not None:
             model.set_attention("lssar", {"p": p})
         ws: list = []
-        mask = window_mask(T, L) if arm.window else None
-        logits, _ = model(b["tokens"], weights=ws, attn_mask=mask)
+        logits, _ = model(b["tokens"], weights=ws, window=L if arm.window else None)
         model.set_attention(arm.attention.name, dict(arm.attention.options))
         w = ws[layer][0, :, q, : q + 1].float().mean(0).numpy()
         ok = int(logits[0, q].argmax()) == int(b["answer"][0, j])
