@@ -9,6 +9,12 @@ training with :meth:`GPT.set_attention` (e.g. evaluate an LSSA-trained model wit
 p=15: the paper's fine-tuning-free mode), and a RoPE model's rotation may be rescaled after
 training (:meth:`GPT.set_rope_scaling`: PI, NTK, dynamic NTK, YaRN). :meth:`GPT.switch` is the
 one eval-time rule of ``lssar eval``, ``lssar sample`` and ``lssar lm-eval``.
+
+What a query sees is the causal rule plus, per call, a boolean ``attn_mask`` (padding), or the
+structured arguments of :func:`lssar.attention`, O(T) to describe and O(T W) to run: a sliding
+``window`` (each query's last W keys, with optional ``sink_tokens``) and packed documents
+(``cu_seqlens``: each token attends only within its document, and ``N_i``, hence LSSA's length
+scale, restarts at each; :func:`lssar.data.eot_documents` derives them from EOT tokens).
 """
 
 from __future__ import annotations
@@ -22,27 +28,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lssar.ops.common import as_4d
 from lssar.ops.reference import attention_weights
 from lssar.ops.registry import attention, get_variant
+from lssar.ops.spans import key_spans
 from lssar.positions import ROPE_SCALINGS, RopeScaling, alibi_slopes, check_pos
 from lssar.spec import AttentionSpec, check_attention
-
-
-def sliding_window_mask(
-    n: int, window: int, device: torch.device | None = None, sink: bool = False
-) -> Tensor:
-    """Boolean ``(n, n)`` mask, True = may attend: query ``i`` sees keys ``i - window < j <= i``
-    (causal, ``window`` keys including itself). With ``sink`` the first token stays visible too
-    (StreamingLLM's attention sink), for models whose every training row began with BOS."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    m = (j <= i) & (i - j < window)
-    if sink:
-        m[:, 0] = True
-    return m
-
 
 SSMAX_S_INIT = 0.43  # Scalable-Softmax's per-head s at init (project choice)
 
@@ -136,6 +127,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.to(x.dtype)
 
 
+def visibility(
+    window: int | None = None, sink_tokens: int = 0, cu_seqlens: Tensor | None = None
+) -> dict[str, Any]:
+    """The keyword arguments of :func:`lssar.attention` for a causal ``window`` of that many
+    keys (itself included: ``window=(W - 1, 0)``), ``sink_tokens`` and ``cu_seqlens``; empty for
+    none of them, so the default call is unchanged."""
+    out: dict[str, Any] = {}
+    if window is not None:
+        _check_int("window", window, "(the keys each query sees, itself included)")
+        out["window"] = (window - 1, 0)
+    if sink_tokens:
+        out["sink_tokens"] = sink_tokens
+    if cu_seqlens is not None:
+        out["cu_seqlens"] = cu_seqlens
+    return out
+
+
 class KVCache:
     """Per-layer keys/values of the tokens seen so far, ``(B, H_kv, T_seen, D)`` each."""
 
@@ -184,13 +192,16 @@ class Attention(nn.Module):
         weights: list | None = None,
         attn_mask: Tensor | None = None,
         alibi: Tensor | None = None,
+        visible: dict[str, Any] | None = None,
     ) -> Tensor:
         """``x (B, T, C)`` -> ``(B, T, C)``; appends ``(B, H, T, T_k)`` weights if asked.
 
         ``cos``/``sin`` rotate q and k (RoPE; None: no rotation); ``alibi`` (``(H,)`` slopes)
         biases the scores. ``cache`` is anything with ``update(layer, k, v) -> (k, v)`` (a
         :class:`KVCache`, or an adapter over a transformers cache); ``attn_mask`` (bool,
-        broadcastable to ``(B, H, T, T_k)``, e.g. key padding) is combined with the causal mask.
+        broadcastable to ``(B, H, T, T_k)``, e.g. key padding) is combined with the causal mask;
+        ``visible`` (:func:`visibility`: ``window``, ``sink_tokens``, ``cu_seqlens``) goes to
+        :func:`lssar.attention` as it is.
         """
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(
@@ -220,21 +231,28 @@ class Attention(nn.Module):
             variant=name,
             impl=impl,
             alibi_slopes=alibi,
+            **(visible or {}),
             **options,
         )
         if weights is not None:
             with torch.no_grad():
+                spans = None
+                mask = attn_mask
+                if visible:  # the causal rule folded in, as lssar.attention does
+                    mask = as_4d(attn_mask)
+                    spans = key_spans(t, k.shape[-2], q.device, True, mask, **visible)
                 weights.append(
                     attention_weights(
                         q,
                         k,
-                        attn_mask,
-                        True,
+                        mask,
+                        spans is None,
                         None,
                         gqa,
                         variant=get_variant(name),
                         options=options,
                         alibi_slopes=alibi,
+                        spans=spans,
                     )
                 )
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
@@ -265,9 +283,22 @@ class Block(nn.Module):
         weights: list | None = None,
         attn_mask: Tensor | None = None,
         alibi: Tensor | None = None,
+        visible: dict[str, Any] | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights, attn_mask, alibi)
+        a = self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights, attn_mask, alibi, visible)
+        x = x + a
         return x + self.mlp(self.ln2(x))
+
+
+def _check_row_starts(cu_seqlens: Tensor, b: int, t: int) -> None:
+    """``ValueError`` unless every row start of a ``(B, T)`` batch is a document boundary."""
+    if isinstance(cu_seqlens, Tensor) and b > 1:
+        starts = torch.arange(0, b * t, t, device=cu_seqlens.device)
+        if not bool(torch.isin(starts, cu_seqlens).all()):
+            raise ValueError(
+                f"cu_seqlens must hold every row start (0, {t}, {2 * t}, ...) of the flattened "
+                f"({b}, {t}) batch: a document cannot span two rows"
+            )
 
 
 class GPT(nn.Module):
@@ -361,6 +392,10 @@ class GPT(nn.Module):
         weights: list | None = None,
         attn_mask: Tensor | None = None,
         positions: Tensor | None = None,
+        *,
+        window: int | None = None,
+        sink_tokens: int = 0,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """Run the blocks on embeddings ``h (B, T, C)`` at absolute positions ``pos..pos+T``.
 
@@ -368,8 +403,17 @@ class GPT(nn.Module):
         and NoPE read none: ALiBi's bias is the distance in the sequence, padding included,
         which left padding leaves unchanged between real tokens);
         ``attn_mask`` (bool, broadcastable to ``(B, H, T, T_k)``, True = may attend) is combined
-        with the causal mask in every layer.
+        with the causal mask in every layer. ``window`` (keys each query sees, itself included),
+        ``sink_tokens`` and ``cu_seqlens`` (int ``(n_docs + 1,)`` document boundaries along T,
+        the same for every row; not with a ``cache``) are :func:`lssar.attention`'s, in every
+        layer.
         """
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError(
+                "cu_seqlens (packed documents) cannot be used with a KV cache: a cache continues "
+                "one sequence, so call without cu_seqlens (one document)"
+            )
+        visible = visibility(window, sink_tokens, cu_seqlens)
         cos = sin = alibi = None
         if self.cfg.pos == "rope":
             if positions is None:
@@ -389,7 +433,7 @@ class GPT(nn.Module):
             alibi = alibi_slopes(self.cfg.n_head).to(h.device)
         h = self.drop(h)
         for i, block in enumerate(self.blocks):
-            h = block(h, cos, sin, self.attn_spec, cache, i, weights, attn_mask, alibi)
+            h = block(h, cos, sin, self.attn_spec, cache, i, weights, attn_mask, alibi, visible)
         return self.ln_f(h)
 
     def forward(
@@ -400,14 +444,30 @@ class GPT(nn.Module):
         weights: list | None = None,
         reduction: str = "mean",
         attn_mask: Tensor | None = None,
+        *,
+        window: int | None = None,
+        sink_tokens: int = 0,
+        cu_seqlens: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``idx (B, T)`` token ids -> ``(logits (B, T, V), loss or None)``.
 
         With a ``cache`` the tokens continue the cached sequence (positions start at its length).
         ``weights``, if a list, receives each layer's attention weights ``(B, H, T, T_k)``.
         ``reduction="none"`` returns the per-token loss ``(B, T)``. ``attn_mask`` (bool,
-        broadcastable to ``(B, H, T, T_k)``, True = may attend: key padding, a sliding window) is
-        combined with the causal mask in every layer.
+        broadcastable to ``(B, H, T, T_k)``, True = may attend, e.g. key padding) is combined
+        with the causal mask in every layer.
+
+        ``window``: every query sees only its last ``window`` keys, itself included (the
+        sliding-window control; memory O(T W), no ``T x T`` mask), ``sink_tokens`` the first
+        keys besides (StreamingLLM's sinks). ``cu_seqlens``: packed documents, int ``(n_docs +
+        1,)`` boundaries along the batch flattened into one row of ``B * T`` tokens (as
+        FlashAttention's varlen; every row start ``0, T, 2T, ...`` must be one, so a document
+        never spans two rows; :func:`lssar.data.eot_documents` makes them): each token attends
+        only within its document and ``N_i`` restarts there, so LSSA's length scale does too.
+        RoPE positions stay each token's position in its row: RoPE and ALiBi see only the
+        distance between a query and a key, so a document's logits equal those of the document
+        alone (up to float rounding). Weights then come as ``(1, H, B T, B T)``. Not with a
+        ``cache`` (:meth:`generate` runs one sequence) or an ``attn_mask``.
         """
         if idx.min() < 0 or idx.max() >= self.cfg.vocab_size:
             raise ValueError(
@@ -415,7 +475,15 @@ class GPT(nn.Module):
                 f"[{int(idx.min())}, {int(idx.max())}]"
             )
         pos = cache.length if cache is not None else 0
-        h = self.body(self.wte(idx), pos, cache, weights, attn_mask)
+        spans = {"window": window, "sink_tokens": sink_tokens, "cu_seqlens": cu_seqlens}
+        if cu_seqlens is None:
+            h = self.body(self.wte(idx), pos, cache, weights, attn_mask, **spans)
+        else:
+            b, t = idx.shape
+            _check_row_starts(cu_seqlens, b, t)
+            rows = torch.arange(t, device=idx.device).repeat(b)  # (B T,) position in its row
+            h = self.wte(idx).reshape(1, b * t, -1)  # (1, B T, C): one packed row
+            h = self.body(h, pos, cache, weights, attn_mask, rows, **spans).view(b, t, -1)
         logits = self.head(h)
         loss = None
         if targets is not None:
@@ -437,7 +505,10 @@ class GPT(nn.Module):
     ) -> Tensor:
         """Sample ``max_new_tokens`` after the prompt ``idx (B, T)`` with a KV cache.
 
-        ``temperature`` 0 is greedy; ``top_k`` None samples from the whole vocabulary.
+        ``temperature`` 0 is greedy; ``top_k`` None samples from the whole vocabulary. Each row
+        is one sequence (one document): an EOT token inside a prompt is attended across, with or
+        without document masking in training (:meth:`forward` refuses ``cu_seqlens`` with a
+        cache).
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 0")

@@ -12,6 +12,7 @@ import torch
 
 from lssar.data import (
     default_corpus_files,
+    eot_documents,
     eval_starts,
     get_batch,
     get_tokenizer,
@@ -347,6 +348,16 @@ def test_iter_eval_windows_budget() -> None:
         next(iter_eval_windows(tokens[:10], seq_len=10, max_tokens=100))
     with pytest.raises(ValueError, match="max_tokens >= seq_len"):
         next(iter_eval_windows(tokens, seq_len=10, max_tokens=5))
+
+
+def test_eot_documents_begin_at_eot_and_at_every_row() -> None:
+    """An EOT begins the document after it (as the shards and ``lssar sample`` place it); every
+    row starts a document; an EOT at a row start is not counted twice."""
+    x = torch.tensor([[5, 6, 0, 7, 8, 0], [0, 1, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4]])
+    assert eot_documents(x, 0).tolist() == [0, 2, 5, 6, 10, 11, 12, 18]
+    assert eot_documents(x, 9).tolist() == [0, 6, 12, 18]
+    cu = eot_documents(x, 0)
+    assert cu.dtype == torch.int64 and torch.all(cu.diff() > 0)
 
 
 def test_no_stray_temp_files(corpus_dir, tmp_path: Path) -> None:

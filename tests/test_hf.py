@@ -21,20 +21,26 @@ transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
+    DataCollatorWithFlattening,
     DynamicCache,
     LlamaConfig,
+    MistralConfig,
     Qwen2Config,
 )
 from transformers.masking_utils import (  # noqa: E402
     ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
     causal_mask_function,
+    chunked_causal_mask_function,
     eager_mask,
+    padding_mask_function,
     sdpa_mask,
+    sliding_window_causal_mask_function,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 import lssar  # noqa: E402
-from lssar.integrations import hf  # noqa: E402
+from lssar.integrations import hf, packing  # noqa: E402
 from lssar.model import GPT, GPTConfig  # noqa: E402
 from lssar.ops.variants import VARIANTS  # noqa: E402
 
@@ -322,6 +328,152 @@ def test_unsupported_kwargs_raise():
         hf.attention_function("lssa")(module_stub(), q, k, v, None, softcap=30.0)
 
 
+# ---------------------------------------------------- packed sequences and sliding windows
+
+
+def flattened(seqs: list[torch.Tensor], **kw) -> dict:
+    """transformers' padding-free batch: the sequences in one row, labels -100 at each start."""
+    return DataCollatorWithFlattening(**kw)([{"input_ids": s.tolist()} for s in seqs])
+
+
+def count_dense_masks(monkeypatch) -> list[int]:
+    """Counts the (T_q, T_k) masks lssar_mask builds (it builds them with sdpa_mask)."""
+    import transformers.masking_utils as mu
+
+    built: list[int] = []
+    real = mu.sdpa_mask
+
+    def spy(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mu, "sdpa_mask", spy)
+    return built
+
+
+@pytest.mark.parametrize("name", ["lssar", "lssa"])
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_flattened_batch_matches_each_sequence(name, flash_kwargs, use_cache, monkeypatch):
+    """DataCollatorWithFlattening packs 3 sequences into one row (position_ids restarting at 0,
+    and with return_flash_attn_kwargs cu_seq_lens_q/k): each sequence's logits equal its own
+    forward (float64), the loss is the token-weighted mean of theirs, and no (T, T) mask is
+    built: the documents reach lssar.attention as cu_seqlens, from the kwargs or position_ids,
+    whether or not transformers itself saw the packing (it does not with a cache)."""
+    m = tiny("llama", name).double()
+    seqs = ragged()
+    batch = flattened(seqs, return_flash_attn_kwargs=flash_kwargs)
+    assert ("cu_seq_lens_q" in batch) == flash_kwargs and batch["position_ids"][0, 5] == 0
+    built = count_dense_masks(monkeypatch)
+    out = m(**batch, use_cache=use_cache)
+    assert not built
+    start, total, n = 0, 0.0, 0
+    for s in seqs:
+        alone = m(s[None], labels=s[None], use_cache=False)
+        torch.testing.assert_close(out.logits[0, start : start + len(s)], alone.logits[0])
+        total, n, start = total + alone.loss * (len(s) - 1), n + len(s) - 1, start + len(s)
+    torch.testing.assert_close(out.loss, total / n)
+    unpacked = m(batch["input_ids"], use_cache=False).logits  # one sequence: attends across
+    assert not torch.allclose(unpacked[0, 5:], out.logits[0, 5:], atol=1e-3)
+
+
+def test_flattened_rows_of_a_batch_and_explicit_boundaries():
+    """Position ids restarting in each of 2 rows (transformers' per-row packing) and explicit
+    cu_seq_lens over the flattened rows give the same documents; cu_seq_lens_* with a padding
+    mask, packed position ids against cached keys and a bidirectional window without a mask
+    are errors."""
+    seqs = ragged((4, 6, 5, 5))
+    ids = torch.stack([torch.cat(seqs[:2]), torch.cat(seqs[2:])])  # (2, 10)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
+    m = tiny("llama", "lssar").double()
+    a = m(ids, position_ids=pos, use_cache=False).logits
+    cu = torch.tensor([0, 4, 10, 15, 20], dtype=torch.int32)
+    b = m(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=True).logits
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a[0, :4], m(seqs[0][None]).logits[0])
+    torch.testing.assert_close(a[1, 5:], m(seqs[3][None]).logits[0])
+    fn = hf.attention_function("lssar")
+    q = k = v = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="came with an attention mask"):
+        fn(module_stub(), q, k, v, torch.ones(1, 1, 6, 6, dtype=torch.bool), cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match="a KV cache holds earlier tokens"):
+        fn(module_stub(), q[:, :, :3], k, v, None, position_ids=torch.tensor([[0, 1, 0]]))
+    with pytest.raises(ValueError, match="bidirectional sliding window needs its mask"):
+        fn(module_stub(), q, k, v, None, is_causal=False, sliding_window=2)
+    assert packing.documents({"position_ids": torch.arange(6)[None]}, 1, 6, 6) is None
+
+
+def windowed(family: str, attn: str, window: int | None = 4) -> torch.nn.Module:
+    """``tiny`` with a sliding window of ``window`` keys (Qwen2: in its second layer only)."""
+    cfg_class = {"mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    extra: dict = {"sliding_window": window}
+    if family == "qwen2" and window is not None:
+        extra |= {"use_sliding_window": True, "max_window_layers": 1}
+    cfg = cfg_class(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **extra,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_is_passed_as_a_window(family, monkeypatch):
+    """A config's sliding_window reaches lssar.attention as window=(w - 1, 0), without a mask:
+    softmax equals transformers' SDPA with the window; LSSAR's cached decoding equals its full
+    forward, a padded batch (HF's dense mask) its unpadded row, and a flattened batch each
+    sequence alone."""
+    x = torch.randint(1, 256, (2, 13), generator=torch.Generator().manual_seed(2))
+    ours, ref = windowed(family, "softmax"), windowed(family, "sdpa")
+    ref.load_state_dict(ours.state_dict())
+    built = count_dense_masks(monkeypatch)
+    logits = ours(x).logits
+    assert not built
+    torch.testing.assert_close(logits, ref(x).logits, atol=ATOL, rtol=0)
+    unwindowed = windowed(family, "sdpa", window=None)
+    unwindowed.load_state_dict(ours.state_dict())
+    assert not torch.allclose(logits, unwindowed(x).logits, atol=1e-3)  # the window matters
+    m = windowed(family, "lssar")
+    full = m(x, use_cache=False).logits
+    cache = DynamicCache(config=m.config)
+    torch.testing.assert_close(m(x[:, :6], cache=cache).logits, full[:, :6], atol=ATOL, rtol=0)
+    for t in range(6, 13):
+        step = m(x[:, t : t + 1], cache=cache).logits[:, -1]
+        torch.testing.assert_close(step, full[:, t], atol=ATOL, rtol=0)
+    padded = torch.ones(2, 13, dtype=torch.long)
+    padded[1, :3] = 0
+    dense = m(x, attention_mask=padded, use_cache=False).logits
+    torch.testing.assert_close(dense[0], full[0], atol=ATOL, rtol=0)
+    seqs = [x[0, :9], x[1, :7]]
+    packed = m(**flattened(seqs), use_cache=False).logits[0]
+    torch.testing.assert_close(packed[:9], m(seqs[0][None]).logits[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed[9:], m(seqs[1][None]).logits[0], atol=ATOL, rtol=0)
+
+
+def test_mask_rule_reads_only_what_lssar_can_express():
+    """Causal, a causal sliding window and packed sequences are read from transformers' mask
+    functions; anything else (padding inside, chunked attention, a custom function) gives None,
+    and lssar_mask then builds the dense mask."""
+    assert packing.mask_rule(causal_mask_function) == {"causal"}
+    assert packing.mask_rule(sliding_window_causal_mask_function(4)) == {"causal", "window"}
+    pad_2d = torch.ones(1, 6, dtype=torch.bool)
+    for fn in (
+        chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
+        and_masks(causal_mask_function, padding_mask_function(pad_2d)),
+        lambda b, h, q, kv: kv <= q,
+    ):
+        assert packing.mask_rule(fn) is None
+        kw = dict(batch_size=1, q_length=6, kv_length=6, q_offset=0, kv_offset=0)
+        assert hf.lssar_mask(mask_function=fn, **kw) is not None
+    window = dict(batch_size=1, q_length=6, kv_length=6, q_offset=0, kv_offset=0, local_size=4)
+    assert hf.lssar_mask(mask_function=sliding_window_causal_mask_function(4), **window) is None
+
+
 # --------------------------------------------------------------- the lssar GPT as HF model
 
 
@@ -392,6 +544,28 @@ def test_gpt_wrapper_generate_cache_padding_labels():
     torch.testing.assert_close(loss, gpt(x[:, :-1], x[:, 1:])[1], atol=1e-6, rtol=0)
     as_tuple = model(x, labels=x, use_cache=False, return_dict=False)
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], loss)
+
+
+@pytest.mark.parametrize("attn", ["lssar", "softmax"])
+def test_gpt_wrapper_packed_batch_matches_each_sequence(attn):
+    """The lssar-gpt model reads a flattened batch as flash_attention_2 does (position ids,
+    or cu_seq_lens_*): each sequence within itself, RoPE at its own positions, not cached."""
+    gpt = tiny_gpt(attn).double()
+    model = hf.LssarGPTForCausalLM.from_gpt(gpt)
+    seqs = ragged()
+    for flash_kwargs in (False, True):
+        out = model(**flattened(seqs, return_flash_attn_kwargs=flash_kwargs))
+        assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
+        start = 0
+        for s in seqs:
+            alone = gpt(s[None])[0][0]
+            torch.testing.assert_close(out.logits[0, start : start + len(s)], alone)
+            start += len(s)
+    cu = torch.tensor([0, 5, 13, 16], dtype=torch.int32)
+    cache = DynamicCache()
+    model(seqs[0][None], cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cannot continue a KV cache"):
+        model(torch.cat(seqs)[None], cache=cache, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_gpt_wrapper_bad_inputs():

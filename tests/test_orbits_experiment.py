@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from lssar.cli import main
-from lssar.model import sliding_window_mask
 from lssar.studies.orbits import experiment as ex
 from lssar.studies.orbits import kepler, symreg
 from lssar.studies.orbits.models import (
@@ -184,15 +183,20 @@ def test_killed_run_resumes_at_last_finished_stage(micro, tmp_path):
         )
 
 
-def test_sliding_window_mask_is_causal_band():
-    n, w = 11, 3
-    m = sliding_window_mask(n, w)
-    for i in range(n):
-        for j in range(n):
-            assert bool(m[i, j]) == (0 <= i - j < w)
-    assert m.sum(1).tolist() == [min(i + 1, w) for i in range(n)]
-    with pytest.raises(ValueError):
-        sliding_window_mask(4, 0)
+def test_window_is_the_causal_band():
+    """The locality control runs lssar.attention's window (O(L W)): the hidden states of the
+    dense causal band mask it replaced (query i sees keys i - w < j <= i); w < 1 is an error."""
+    n, w = 17, 3
+    torch.manual_seed(0)
+    model = OrbitGPT(OrbitModelConfig(n_layer=2, n_head=2, n_embd=16, window=w)).eval()
+    b = _batch(L=n)
+    i = torch.arange(n)
+    band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < w)
+    with torch.no_grad():
+        torch.testing.assert_close(model(b), model.trunk.body(model.embed(b), attn_mask=band))
+    model.cfg.window = 0
+    with pytest.raises(ValueError, match="window=0 must be a whole number >= 1"):
+        model(b)
 
 
 def _batch(L=17, seed=0):

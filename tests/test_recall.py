@@ -211,7 +211,7 @@ def test_resume_matches_uninterrupted(tmp_path):
 
 
 def test_window_arm_shares_softmax_run_and_hides_far_keys():
-    from lssar.studies.recall.study import build_model, window_mask
+    from lssar.studies.recall.study import build_model
 
     cfg = tiny()
     assert run_dir(Path("r"), cfg, ARMS["window"], 0) == run_dir(Path("r"), cfg, ARMS["softmax"], 0)
@@ -221,10 +221,9 @@ def test_window_arm_shares_softmax_run_and_hides_far_keys():
     x = torch.randint(0, cfg.task.vocab_size, (1, T))
     y = x.clone()
     y[0, 1 : T - 2 * W] = (y[0, 1 : T - 2 * W] + 1) % cfg.task.vocab_size  # far, not BOS
-    mask = window_mask(T, W)
     with torch.no_grad():
-        a, _ = model(x, attn_mask=mask)
-        b, _ = model(y, attn_mask=mask)
+        a, _ = model(x, window=W)
+        b, _ = model(y, window=W)
         c, _ = model(y)
     # one layer: the last position sees only the last W tokens under the window
     assert torch.allclose(a[0, -1], b[0, -1], atol=1e-6)
@@ -232,8 +231,13 @@ def test_window_arm_shares_softmax_run_and_hides_far_keys():
     z = y.clone()
     z[0, 0] = (z[0, 0] + 1) % cfg.task.vocab_size  # the sink (first token) stays visible
     with torch.no_grad():
-        d, _ = model(z, attn_mask=mask)
+        d, _ = model(z, window=W)
     assert not torch.allclose(b[0, -1], d[0, -1], atol=1e-6)
+    # the window path (O(T W)) is the dense mask it replaced: the last W keys and BOS
+    i = torch.arange(T)
+    dense = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < W) | (i[None, :] == 0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(y, window=W)[0], model(y, attn_mask=dense)[0])
 
 
 def test_token_shift_is_causal_and_one_token_back():

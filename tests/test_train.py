@@ -142,6 +142,7 @@ def test_a_run_from_before_pos_resumes_as_rope(tmp_path: Path) -> None:
         (None, ["--run_name=.."], r"run_name='..' must be a plain name"),
         (None, ["--pos=xpos"], r"unknown pos 'xpos'; choose one of: rope, alibi, nope"),
         (None, ["--pos=alibi", "--attn=lssar"], r"pos='alibi' biases the scores of the softmax"),
+        (None, ["--doc-mask=true"], r"doc_mask cuts batches at the EOT token, and the byte"),
     ],
 )
 def test_config_errors(preset: str | None, overrides, match: str) -> None:
@@ -403,3 +404,80 @@ def test_data_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m = data.read_manifest(out)
     assert text.splitlines()[0] == str(out) and f"{m['total_tokens']:,} tokens" in text
     assert m["splits"]["val"]["tokens"] > 0
+
+
+# ---------------------------------------------------------------------------- document masking
+
+
+@pytest.fixture(scope="module")
+def eot_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Short documents (3-14 words) tokenized with a trained BPE, whose EOT is id 0: a
+    32-token window holds several documents."""
+    root = tmp_path_factory.mktemp("docs")
+    g = torch.Generator().manual_seed(0)
+    words = "the a king queen sword crown night day love death speak hear".split()
+    for i in range(300):
+        n = int(torch.randint(3, 15, (1,), generator=g))
+        text = " ".join(words[int(j)] for j in torch.randint(0, len(words), (n,), generator=g))
+        (root / f"d{i:03d}.txt").write_text(text)
+    out = tmp_path_factory.mktemp("data") / "docs-bpe"
+    return data.prepare(str(root), "bpe-300", out, progress=False)
+
+
+def test_doc_mask_cuts_every_batch_at_eot_and_resumes_with_it(
+    eot_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--doc-mask``: every training and validation forward gets the batch's EOT documents;
+    config.json and the checkpoint record it, a resume must repeat it (here by the CLI flag);
+    without it (the default) the forward is ``model(x, y)`` as before."""
+    from lssar.model import GPT
+
+    calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    real = GPT.forward
+
+    def spy(self, idx, *args, **kwargs):
+        calls.append((idx.clone(), kwargs.get("cu_seqlens")))
+        return real(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", spy)
+    kw = dict(tokenizer="bpe-300", max_steps=4, eval_every=2)
+    cfg = tiny(eot_data_dir, tmp_path, doc_mask=True, run_name="d", **kw)
+    run = train(cfg, progress=False, _stop_after=2)
+    eot = data.read_manifest(eot_data_dir)["eot"]
+    assert eot == 0 and calls
+    for x, cu in calls:
+        assert cu is not None and torch.equal(cu, data.eot_documents(x, eot))
+    assert all(len(cu) > x.shape[0] + 1 for x, cu in calls)  # documents inside the rows
+    assert json.loads((run / "config.json").read_text())["train"]["doc_mask"] is True
+    assert load_run(run, which="latest")[1].doc_mask is True
+    with pytest.raises(ValueError, match=r"doc_mask: True \(run\) != False \(now\)"):
+        train(dataclasses.replace(cfg, doc_mask=False), progress=False)
+    calls.clear()
+    flags = [f"--{k}={v}" for k, v in (TINY | kw).items()]
+    where = [f"--data_dir={eot_data_dir}", f"--out_dir={tmp_path}", "--run_name=d"]
+    assert main(["train", "--no-progress", "--doc-mask", *where, *flags]) == 0
+    assert (run / "DONE").is_file() and load_run(run)[2]["step"] == 4
+    assert calls and all(cu is not None for _, cu in calls)
+    calls.clear()
+    off = train(dataclasses.replace(cfg, doc_mask=False, run_name="off"), progress=False)
+    assert calls and all(cu is None for _, cu in calls)
+    assert json.loads((off / "config.json").read_text())["train"]["doc_mask"] is False
+
+
+def test_doc_mask_default_and_impl_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run from before ``doc_mask`` resumes as off; an impl that cannot take packed
+    documents is refused before anything runs."""
+    from lssar.ops import registry
+    from lssar.train.runs import check_same_config
+
+    cfg = TrainConfig()
+    old = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "doc_mask"}
+    check_same_config(old, cfg, tmp_path)
+    with pytest.raises(ValueError, match=r"doc_mask: False \(run\) != True \(now\)"):
+        check_same_config(old, dataclasses.replace(cfg, doc_mask=True), tmp_path)
+    no_spans = dataclasses.replace(registry.BACKENDS["chunked"], spans=False)
+    monkeypatch.setitem(registry.BACKENDS, "chunked", no_spans)
+    monkeypatch.setitem(registry.IMPLS, "chunked", no_spans)
+    over = ["--doc_mask=true", "--tokenizer=gpt2", "--attn=lssa", "--attn_impl=chunked"]
+    with pytest.raises(ValueError, match=r"attn_impl='chunked' does not: use auto or one of"):
+        load_config(None, over)

@@ -15,7 +15,7 @@ The package (split by job; everything is importable from ``lssar.data`` as befor
 
 from __future__ import annotations
 
-from lssar.data.batches import eval_starts, get_batch, iter_eval_windows
+from lssar.data.batches import eot_documents, eval_starts, get_batch, iter_eval_windows
 from lssar.data.corpora import default_corpus_files, iter_documents
 from lssar.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, read_manifest
 from lssar.data.shards import ShardedTokens, load_split, prepare
@@ -47,6 +47,7 @@ __all__ = [
     "Tokenizer",
     "cli",
     "default_corpus_files",
+    "eot_documents",
     "get_batch",
     "get_tokenizer",
     "iter_documents",

@@ -1,5 +1,5 @@
-"""Batches: training windows as a pure function of (seed, step, micro_step, rank), and the
-evaluation windows."""
+"""Batches: training windows as a pure function of (seed, step, micro_step, rank), the
+evaluation windows, and the documents inside a batch (:func:`eot_documents`)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,23 @@ def iter_eval_windows(
     starts = eval_starts(len(tokens), seq_len, max_tokens)
     for b in range(0, len(starts), batch_size):
         yield _windows(tokens, starts[b : b + batch_size], seq_len)
+
+
+def eot_documents(x: torch.Tensor, eot: int) -> torch.Tensor:
+    """The documents of a batch ``x (B, T)``, as ``cu_seqlens``: int64 ``(n_docs + 1,)``
+    boundaries along the batch flattened into one row of ``B * T`` tokens (FlashAttention's
+    varlen layout, what :meth:`lssar.model.GPT.forward` takes).
+
+    A document starts at every row start and at every ``eot`` token: the EOT token *begins* the
+    document after it. Shards put the separator before each document
+    (:func:`lssar.data.prepare`), and ``lssar sample`` and ``lssar lm-eval`` start a document with
+    it, so a document-masked model trains on ``[EOT, tokens...]`` with nothing before, as it is
+    prompted; the previous document's last token still predicts the EOT (its target), from that
+    document's context. (FlashAttention / transformers packing counts an EOS as the end of the
+    document before it.)
+    """
+    b, t = x.shape
+    starts = x == eot  # (B, T)
+    starts[:, 0] = True
+    first = starts.reshape(-1).nonzero().squeeze(1)  # (n_docs,) ascending
+    return torch.cat([first, first.new_tensor([b * t])])

@@ -12,9 +12,14 @@ Variant options come from the model config: ``config.lssar_p`` (re-weighting pow
 
 Masks: HF builds a boolean ``(B, 1, T_q, T_k)`` mask (``True`` = attend) that already holds
 causality, padding and the KV-cache offset, so ``N_i`` (the number of keys query ``i`` may attend
-to, METHOD.md section 2) comes from the real mask, never from the tensor length. Only a plain
-causal mask with no padding whose cache is contiguous is skipped (``None``); lssar's bottom-right
-``is_causal`` then gives the same ``N_i``.
+to, METHOD.md section 2) comes from the real mask, never from the tensor length. A mask with no
+padding whose cache is contiguous and whose rule is causal, a causal sliding window, packed
+sequences or both (:func:`lssar.integrations.packing.mask_rule`) is skipped (``None``): the
+attention function then passes the same rule to :func:`lssar.attention` as arguments, in O(T)
+memory (``is_causal``, bottom-right aligned; ``window=(sliding_window - 1, 0)`` from the
+``sliding_window`` the model passes, as its ``flash_attention_2`` path reads it; ``cu_seqlens``
+from the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs or from ``position_ids`` that restart in a
+row, :mod:`lssar.integrations.packing`), with the same ``N_i``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import transformers
 from torch import Tensor
 
+from lssar.integrations import packing
 from lssar.integrations.hf_gpt import (
     TOKENIZER_INFO,
     LssarGPTConfig,
@@ -149,19 +155,31 @@ def attention_function(name: str) -> Callable[..., tuple[Tensor, None]]:
             if kwargs.get(k) is not None:
                 raise ValueError(f"lssar attention {name!r} does not support `{k}`")
         options, impl = config_options(getattr(module, "config", None), variant)
+        b = query.shape[0]
+        spans: dict[str, Any] = {}
+        docs = None
         if attention_mask is None:
-            # HF skipped the mask: plain causal, no padding, contiguous cache (see lssar_mask).
+            # HF's mask was skipped (see lssar_mask): causal, no padding, contiguous cache; a
+            # sliding window and packed sequences come as arguments, as flash_attention_2 reads
             causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-            window = kwargs.get("sliding_window")
-            if causal and window is not None and key.shape[2] > window:
-                raise ValueError("sliding-window attention needs a mask; none was given")
+            spans = _window(kwargs.get("sliding_window"), causal, key.shape[2])
+            docs = packing.documents(kwargs, b, query.shape[2], key.shape[2])
             mask = None
         else:
             if not isinstance(attention_mask, Tensor):
                 raise ValueError(
                     f"lssar attention needs a tensor mask, got {type(attention_mask).__name__}"
                 )
+            if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+                raise ValueError(
+                    "cu_seq_lens_q / cu_seq_lens_k (packed sequences) came with an attention "
+                    "mask (padding): lssar cannot tell which of the mask's tokens belong to which "
+                    "sequence; pass packed sequences without padding (DataCollatorWithFlattening)"
+                )
             mask, causal = bool_mask(attention_mask), False  # HF masks already hold causality
+        if docs is not None:  # one row of B * T tokens, FlashAttention's varlen layout
+            query, key, value = packing.flatten(query), packing.flatten(key), packing.flatten(value)
+            spans |= {"cu_seqlens": docs[0], "cu_seqlens_k": docs[1]}
         out = attention(
             query,
             key,
@@ -173,22 +191,47 @@ def attention_function(name: str) -> Callable[..., tuple[Tensor, None]]:
             query.shape[1] != key.shape[1],
             variant=name,
             impl=impl,
+            **spans,
             **options,
         )
+        if docs is not None:
+            out = packing.unflatten(out, b)
         return out.transpose(1, 2).contiguous(), None  # (B, T_q, H, D)
 
     lssar_attention_forward.__qualname__ = f"lssar_attention_forward[{name}]"
     return lssar_attention_forward
 
 
-def _plain_causal(kw: dict[str, Any]) -> bool:
-    """Whether the mask HF asks for is lssar's bottom-right ``is_causal`` (so it can be None)."""
-    from transformers.masking_utils import causal_mask_function, prepare_padding_mask
+def _window(sliding_window: Any, causal: bool, t_k: int) -> dict[str, Any]:
+    """:func:`lssar.attention`'s ``window`` for HF's ``sliding_window`` (each query sees its last
+    ``sliding_window`` keys, itself included, as in HF's masks and flash's ``window_size``);
+    empty when there is none or it covers every key."""
+    if sliding_window is None or t_k <= sliding_window:
+        return {}
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window!r}")
+    if not causal:  # a bidirectional window (|i - j| <= w) is another rule: it needs HF's mask
+        raise ValueError("a bidirectional sliding window needs its mask; none was given")
+    return {"window": (sliding_window - 1, 0)}
+
+
+def _skippable(kw: dict[str, Any]) -> bool:
+    """Whether the mask HF asks for is lssar's bottom-right ``is_causal``, optionally with a
+    sliding window or packed sequences, which the attention function passes as arguments (so
+    it can be None)."""
+    from transformers.masking_utils import prepare_padding_mask
 
     needed = ("q_length", "kv_length", "q_offset", "kv_offset")
     if not all(isinstance(kw.get(k), int) for k in needed):  # tensors: static cache / tracing
         return False
-    if kw.get("mask_function") is not causal_mask_function or kw.get("local_size") is not None:
+    rule = packing.mask_rule(kw.get("mask_function"))
+    if rule is None or "causal" not in rule or ("remapped" in rule and "packed" not in rule):
+        return False
+    if "window" not in rule and kw.get("local_size") is not None:
+        return False
+    # transformers turns the skip off for packed sequences (SDPA's is_causal cannot hold them);
+    # lssar's attention function reads them from the kwargs, as flash_attention_2 does
+    if not kw.get("allow_is_causal_skip", True) and "packed" not in rule:
         return False
     if torch.compiler.is_compiling():
         return False
@@ -201,13 +244,16 @@ def _plain_causal(kw: dict[str, Any]) -> bool:
 def lssar_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     """``AttentionMaskInterface`` entry: HF's boolean ``sdpa_mask`` ``(B, 1, T_q, T_k)``.
 
-    Returns None only for a plain causal mask (no padding, contiguous cache): there lssar's
-    bottom-right ``is_causal`` yields the same ``N_i``. HF's own skip also fires for a static
-    cache's empty slots, which relies on SDPA's top-left alignment, so it is turned off here.
+    Returns None for a causal mask, a causal sliding window, packed sequences or both, with no
+    padding and a contiguous cache (:func:`_skippable`): there lssar's bottom-right
+    ``is_causal``, ``window`` and ``cu_seqlens`` (read by the attention function from the
+    model's kwargs) yield the same ``N_i`` without a ``T_q x T_k`` mask. HF's own skip also fires
+    for a static cache's empty slots, which relies on SDPA's top-left alignment, so it is turned
+    off here.
     """
     from transformers.masking_utils import sdpa_mask
 
-    if kwargs.get("allow_is_causal_skip", True) and not args and _plain_causal(kwargs):
+    if not args and _skippable(kwargs):
         return None
     return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from lssar.integrations import packing
 from lssar.model import GPT, GPTConfig
 from lssar.positions import RopeScaling, hf_rope_parameters
 
@@ -131,6 +132,9 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
     and ``position_ids``; without ``position_ids`` positions are counted over real tokens, so a
     left-padded row gets the same RoPE positions as the unpadded sequence. The KV cache is HF's
     ``DynamicCache``. The attention rule is ``config.attn`` (``model.gpt.set_attention`` switches).
+    Packed sequences (``DataCollatorWithFlattening``: ``position_ids`` that restart in a row, or
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k``; :mod:`lssar.integrations.packing`) attend each within
+    itself (``GPT.body(cu_seqlens=...)``) and are not cached: the output's cache is None.
     """
 
     config_class = LssarGPTConfig
@@ -244,9 +248,26 @@ class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
                 position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, past + t, device=inputs_embeds.device)[None]
-        # the key padding mask (B, 1, 1, T_k) is combined with causal, so N_i counts real keys
-        adapter = None if cache is None else _CacheAdapter(cache)
-        h = self.gpt.body(inputs_embeds, cache=adapter, attn_mask=key_mask, positions=position_ids)
+        docs = None
+        if key_mask is None:
+            given = {**kwargs, "position_ids": position_ids}
+            docs = packing.documents(given, b, t, past + t)
+        if docs is not None:  # packed: one row of B * T tokens, each sequence within itself
+            if past or not torch.equal(docs[0], docs[1]):
+                raise ValueError(
+                    "packed sequences (cu_seq_lens_q / cu_seq_lens_k) cannot continue a KV cache: "
+                    "pass them without one, with cu_seq_lens_k equal to cu_seq_lens_q"
+                )
+            cache = None
+            rows = position_ids.expand(b, -1).reshape(1, b * t)
+            h = inputs_embeds.reshape(1, b * t, -1)
+            h = self.gpt.body(h, positions=rows, cu_seqlens=docs[0]).view(b, t, -1)
+        else:
+            # the key padding mask (B, 1, 1, T_k) is combined with causal: N_i counts real keys
+            adapter = None if cache is None else _CacheAdapter(cache)
+            h = self.gpt.body(
+                inputs_embeds, cache=adapter, attn_mask=key_mask, positions=position_ids
+            )
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.gpt.head(h)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lssar.model import GPTConfig
+from lssar.ops.registry import BACKENDS, IMPLS
 from lssar.runio import child_path
 from lssar.spec import AttentionSpec, check_runs
 
@@ -56,6 +57,10 @@ class TrainConfig:
     corpus: str = "shakespeare"
     tokenizer: str = "byte"
     data_dir: str | None = None  # None -> data.prepare(corpus, tokenizer) default dir
+    # attend within documents only: each batch is cut at its EOT tokens (an EOT begins the
+    # document after it; lssar.data.eot_documents), so N_i and LSSA's length scale restart at
+    # each; training and its validation loss (not `lssar eval`); gpt2 / bpe-<N> (byte has no EOT)
+    doc_mask: bool = False
     # model (-> GPTConfig; vocab_size comes from the dataset manifest)
     n_layer: int = 4
     n_head: int = 4
@@ -275,6 +280,8 @@ def validate(cfg: TrainConfig) -> None:
     spec = cfg.attention
     check_runs(spec, cfg.dropout)
     model_config(cfg, 256)  # sizes, mlp_ratio, dropout, rope_base; heads divide the width
+    if cfg.doc_mask:
+        _check_doc_mask(cfg.tokenizer, spec.impl)
     for key in _POSITIVE.split():
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1")
@@ -294,6 +301,23 @@ def validate(cfg: TrainConfig) -> None:
             torch.device(cfg.device)
         except RuntimeError as e:
             raise ValueError(f"device={cfg.device!r}: {e}") from None
+
+
+def _check_doc_mask(tokenizer: str, impl: str) -> None:
+    """``ValueError`` unless ``--doc_mask`` can run: a tokenizer with an EOT token, an attention
+    impl that takes ``cu_seqlens``."""
+    if tokenizer == "byte":
+        raise ValueError(
+            "doc_mask cuts batches at the EOT token, and the byte tokenizer has none (its "
+            "documents are separated by a blank line, which occurs inside documents too): use "
+            "--tokenizer=gpt2 or bpe-<N>"
+        )
+    if impl != "auto" and not BACKENDS[impl].spans:
+        ok = ", ".join(n for n, e in IMPLS.items() if e.spans)
+        raise ValueError(
+            f"doc_mask needs an attention impl that takes packed documents (cu_seqlens); "
+            f"attn_impl={impl!r} does not: use auto or one of {ok}"
+        )
 
 
 def default_run_name(cfg: TrainConfig) -> str:

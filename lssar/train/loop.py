@@ -158,16 +158,37 @@ def _resolve_data(cfg: TrainConfig, master: bool, progress: bool) -> tuple[Path,
     return path.resolve(), m
 
 
+def _doc_eot(cfg: TrainConfig, manifest: dict[str, Any]) -> int | None:
+    """The EOT id that cuts batches into documents (``doc_mask``), or None without it."""
+    if not cfg.doc_mask:
+        return None
+    if manifest.get("eot") is None:
+        raise ValueError(
+            f"doc_mask needs the dataset's EOT token; its manifest names none (tokenizer "
+            f"{manifest['tokenizer']!r}): prepare it again with gpt2 or bpe-<N>"
+        )
+    return int(manifest["eot"])
+
+
+def _documents(x: torch.Tensor, eot: int | None) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for ``x``'s documents: none without ``doc_mask``, so the
+    default call is exactly ``model(x, y)``."""
+    return {} if eot is None else {"cu_seqlens": data.eot_documents(x, eot)}
+
+
 @torch.no_grad()
-def _evaluate(model: GPT, tokens: np.ndarray, cfg: TrainConfig, bf16: bool, d: _Dist) -> float:
+def _evaluate(
+    model: GPT, tokens: np.ndarray, cfg: TrainConfig, bf16: bool, d: _Dist, eot: int | None
+) -> float:
     """Mean loss over the first ``eval_tokens`` of the val split; ranks share the windows."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)  # (loss sum, tokens)
     windows = data.iter_eval_windows(tokens, cfg.seq_len, cfg.eval_tokens, cfg.batch_size)
     for i, (x, y) in enumerate(windows):
         if i % d.world == d.rank:
+            x = x.to(d.device)
             with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
-                _, loss = model(x.to(d.device), y.to(d.device))
+                _, loss = model(x, y.to(d.device), **_documents(x, eot))
             total += torch.stack([loss.double() * y.numel(), total.new_tensor(y.numel())])
     if d.world > 1:
         dist.all_reduce(total)
@@ -183,8 +204,10 @@ def _train_step(
     step: int,
     bf16: bool,
     d: _Dist,
+    eot: int | None = None,
 ) -> torch.Tensor:
-    """One optimizer step (all micro-steps); returns this rank's mean loss, on the device."""
+    """One optimizer step (all micro-steps); returns this rank's mean loss, on the device.
+    ``eot``: attend within the documents it separates (``doc_mask``)."""
     if cfg.dropout > 0:  # dropout masks become a function of the step too: exact resume
         torch.manual_seed(
             int(np.random.SeedSequence([cfg.seed, step, d.rank]).generate_state(1)[0])
@@ -197,11 +220,10 @@ def _train_step(
             tokens, step, micro, cfg.batch_size, cfg.seq_len, cfg.seed, d.rank, d.world
         )
         last = micro == cfg.grad_accum - 1
+        x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
         with model.no_sync() if d.world > 1 and not last else nullcontext():  # 1 all-reduce
             with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
-                _, loss = model(
-                    x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-                )
+                _, loss = model(x, y, **_documents(x, eot))
             (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach()
     if cfg.grad_clip > 0:
@@ -302,6 +324,7 @@ def _train_locked(
             return run_dir
     data_dir, manifest = _resolve_data(cfg, master, progress)
     train_tokens, val_tokens = data.load_split(data_dir, "train"), data.load_split(data_dir, "val")
+    eot = _doc_eot(cfg, manifest)
     mcfg = model_config(cfg, manifest["vocab_size"])
     torch.manual_seed(cfg.seed)  # every attention arm with the same seed starts from one init
     raw = GPT(mcfg).to(d.device)
@@ -355,7 +378,7 @@ def _train_locked(
         )
 
     def evaluate() -> None:
-        history.append([step, _evaluate(raw, val_tokens, cfg, bf16, d)])
+        history.append([step, _evaluate(raw, val_tokens, cfg, bf16, d, eot)])
         if not math.isfinite(history[-1][1]):
             raise diverged(f"the validation loss is {history[-1][1]}")
         log(event="eval", step=step, tokens=tokens, val_loss=history[-1][1])
@@ -401,7 +424,7 @@ def _train_locked(
     # a step's loss stays on the device; whether any was non-finite is read at the next sync
     nonfinite = torch.zeros((), dtype=torch.bool, device=d.device)
     while step < cfg.max_steps:
-        loss = _train_step(model, opt, cfg, train_tokens, step, bf16, d)
+        loss = _train_step(model, opt, cfg, train_tokens, step, bf16, d, eot)
         nonfinite |= ~torch.isfinite(loss)
         lr = lr_at(step, cfg)
         step, tokens, window = step + 1, tokens + per_step, window + per_step

@@ -18,7 +18,6 @@ import argparse
 import copy
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from tqdm.auto import tqdm
 
 from lssar.data import get_tokenizer, iter_eval_windows, load_split, read_manifest
 from lssar.data.manifest import manifest_files
-from lssar.model import GPT, sliding_window_mask
+from lssar.model import GPT
 from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest
@@ -60,14 +59,6 @@ def eval_code_version() -> str:
     """A digest of the evaluation code (:data:`_EVAL_SOURCES`), stored with every evaluation; a
     cached evaluation made by other code is recomputed."""
     return code_digest(_EVAL_SOURCES)
-
-
-def window_of(window: int | None) -> Callable[[int], torch.Tensor | None]:
-    """``length -> attn_mask``: None (full causal attention) or a sliding window of ``window``
-    keys (:func:`lssar.model.sliding_window_mask`), the control for "flat loss"."""
-    if window is None:
-        return lambda t: None
-    return lambda t: sliding_window_mask(t, window)
 
 
 def parse_multiples(text: str | list[int] | tuple[int, ...]) -> list[int]:
@@ -107,7 +98,6 @@ def loss_vs_length(
     Also the loss by position inside the longest window (``N_POSITION_BUCKETS`` buckets), which
     shows where a model starts to fail.
     """
-    mask_for = window_of(window)
     longest = max(multiples) * train_len
     budget = (eval_tokens // longest) * longest  # a whole number of windows at every length
     if budget == 0:
@@ -126,9 +116,8 @@ def loss_vs_length(
         t = m * train_len
         total, count = 0.0, 0
         pos_sum = torch.zeros(t, dtype=torch.float64)
-        mask = mask_for(t)
         for x, y in iter_eval_windows(val, t, budget, batch_size=max(1, TOKENS_PER_BATCH // t)):
-            _, loss = model(x, y, reduction="none", attn_mask=mask)  # (B, T)
+            _, loss = model(x, y, reduction="none", window=window)  # (B, T)
             total += loss.double().sum().item()
             count += loss.numel()
             pos_sum += loss.double().sum(0)
@@ -182,21 +171,21 @@ def attention_diagnostics(
     Uses the materialised weights (the reference path), one window per forward, so keep the
     lengths moderate.
     """
-    mask_for = window_of(window)
     limit = min(lengths) if train_len is None else train_len
     n_layer = model.cfg.n_layer
     out: dict[str, Any] = {}
     for t in lengths:
-        mask = mask_for(t)
-        visible = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask
-        n_i = visible.sum(-1).double()  # (T,) keys each row sees
-        u_ent, u_sink = n_i.log(), visible[:, 0] / n_i  # (T,) uniform attention's values
+        n_i = torch.arange(1, t + 1, dtype=torch.float64)  # (T,) keys each row sees
+        if window is not None:
+            n_i = n_i.clamp(max=window)
+        sees_first = torch.arange(t) < (t if window is None else window)  # (T,) key 0 visible
+        u_ent, u_sink = n_i.log(), sees_first / n_i  # (T,) uniform attention's values
         beyond = torch.arange(t) >= limit  # (T,) rows past the training length
         ent, sink = np.zeros((n_layer, t)), np.zeros((n_layer, t))  # summed over windows
         count = 0
         for x, _ in iter_eval_windows(val, t, n_windows * t):
             weights: list[torch.Tensor] = []
-            model(x, weights=weights, attn_mask=mask)
+            model(x, weights=weights, window=window)
             for i, w in enumerate(weights):  # (1, H, T, T)
                 row_ent = -(w * torch.log(w.clamp_min(1e-30))).sum(-1)  # (1, H, T)
                 ent[i] += row_ent.mean((0, 1)).double().numpy()
@@ -229,14 +218,13 @@ def numerical_health(
 ) -> dict[str, Any]:
     """bf16/fp16 autocast at ``length`` vs a float64 run: non-finite logits and loss error."""
     x, y = next(iter_eval_windows(val, length, length))
-    mask = window_of(window)(length)
     model64 = copy.deepcopy(model).double()
     with torch.inference_mode():
-        _, ref = model64(x, y, attn_mask=mask)
+        _, ref = model64(x, y, window=window)
         result: dict[str, Any] = {"length": length, "loss_fp64": float(ref)}
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             with torch.autocast("cpu" if x.device.type == "cpu" else "cuda", dtype=dtype):
-                logits, loss = model(x, y, attn_mask=mask)
+                logits, loss = model(x, y, window=window)
             result[name] = {
                 "nonfinite_logits": int((~torch.isfinite(logits)).sum()),
                 "loss": float(loss),

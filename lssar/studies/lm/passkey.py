@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lssar.data.passkey import passkey_sample_at
-from lssar.model import GPT, sliding_window_mask
+from lssar.model import GPT
 
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 
@@ -160,12 +160,11 @@ def passkey_scores(
     for t in lengths:
         acc[str(t)] = {}
         split[str(t)] = {b: {"hits": 0, "n": 0} for b in ("within", "beyond")}
-        mask = None if window is None else sliding_window_mask(t - 1, window)
         for d in depths:
             x, starts, keys = _passkey_batch(tok, filler, t, trials, rng, depth=d, digits=digits)
             hits = 0
             for i in range(trials):  # one probe per forward keeps memory flat at long lengths
-                logits, _ = model(x[i : i + 1, :-1], attn_mask=mask)
+                logits, _ = model(x[i : i + 1, :-1], window=window)
                 pred = logits[0, starts[i] - 1 :].argmax(-1)
                 hit = bool(torch.equal(pred, x[i, starts[i] :]))
                 hits += hit

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from lssar.model import GPT, GPTConfig, sliding_window_mask
+from lssar.model import GPT, GPTConfig
 
 FORMATS = ("continuous", "discrete")
 
@@ -113,8 +113,7 @@ class OrbitGPT(nn.Module):
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         h = self.embed(batch)
         window = self.cfg.window  # the locality control: a causal sliding window in every layer
-        mask = None if window is None else sliding_window_mask(h.shape[1], int(window), h.device)
-        return self.trunk.body(h, attn_mask=mask)  # (B, L, C)
+        return self.trunk.body(h, window=None if window is None else int(window))  # (B, L, C)
 
     @property
     def first_target(self) -> int:

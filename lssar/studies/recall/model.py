@@ -19,19 +19,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lssar.model import GPT, GPTConfig, sliding_window_mask
+from lssar.model import GPT, GPTConfig
 
-
-def window_mask(length: int, window: int) -> Tensor:
-    """``(T, T)`` bool, True where key j is at most ``window - 1`` tokens before query i, and
-    the first token (BOS). The sink is a project choice (StreamingLLM's attention sink): every
-    training row saw BOS, and hiding it breaks the model at every distance, which would make the
-    control fail for a reason unrelated to locality."""
-    return sliding_window_mask(length, window, sink=True)
+# The window control keeps the first token (BOS) visible besides the window. The sink is a project
+# choice (StreamingLLM's attention sink): every training row saw BOS, and hiding it breaks the
+# model at every distance, which would make the control fail for a reason unrelated to locality.
+WINDOW_SINK_TOKENS = 1
 
 
 class RecallModel(nn.Module):
-    """``forward(idx (B, T), attn_mask=None, weights=None) -> (logits (B, T, V), None)``.
+    """``forward(idx (B, T), attn_mask=None, weights=None, window=None) -> (logits (B, T, V),
+    None)``; ``window``: every query sees its last ``window`` keys and the first token
+    (:data:`WINDOW_SINK_TOKENS`), by :func:`lssar.attention`'s ``window`` (memory O(T W)).
 
     ``gpt`` is an ordinary :class:`GPT` (its attention rule is switched with
     :meth:`set_attention`); ``prev`` (None without the shift) embeds the previous token, which is
@@ -54,15 +53,22 @@ class RecallModel(nn.Module):
         self.gpt.set_attention(attn, options)
 
     def forward(
-        self, idx: Tensor, attn_mask: Tensor | None = None, weights: list | None = None
+        self,
+        idx: Tensor,
+        attn_mask: Tensor | None = None,
+        weights: list | None = None,
+        window: int | None = None,
     ) -> tuple[Tensor, None]:
+        sinks = 0 if window is None else WINDOW_SINK_TOKENS
         if self.prev is None:
-            logits, _ = self.gpt(idx, attn_mask=attn_mask, weights=weights)
+            logits, _ = self.gpt(
+                idx, attn_mask=attn_mask, weights=weights, window=window, sink_tokens=sinks
+            )
             return logits, None
         if idx.min() < 0 or idx.max() >= self.cfg.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
         h = self.gpt.wte(idx)  # (B, T, C)
         p = self.prev(idx[:, :-1])  # (B, T-1, C): the token before positions 1..T-1
         h = h + torch.cat([torch.zeros_like(h[:, :1]), p], dim=1)
-        h = self.gpt.body(h, weights=weights, attn_mask=attn_mask)
+        h = self.gpt.body(h, weights=weights, attn_mask=attn_mask, window=window, sink_tokens=sinks)
         return self.gpt.head(h), None

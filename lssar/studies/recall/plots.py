@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from lssar.studies.recall.model import window_mask
 from lssar.studies.recall.presets import EVAL_SEED, eval_label, eval_ps
 from lssar.studies.stats import mean_ci
 from lssar.studies.style import colour, facets, grid, legend_below, linestyle, spread
@@ -133,7 +132,7 @@ def retrieval_layer(model, cfg, arm) -> int:
     L = cfg.task.train_len
     b = cfg.task.batch((EVAL_SEED, 1, 0), L, 20)
     ws: list = []
-    model(b["tokens"], weights=ws, attn_mask=window_mask(L, L) if arm.window else None)
+    model(b["tokens"], weights=ws, window=L if arm.window else None)
     score = []
     for w in ws:  # (B, H, T, T)
         w = w.float().mean(1)  # (B, T, T)
@@ -177,8 +176,7 @@ def plot_attention_maps(models: dict[str, Any], cfg, out: Path) -> str:
         if p is not None:
             model.set_attention("lssar", {"p": p})
         ws: list = []
-        mask = window_mask(T, L) if arm.window else None
-        logits, _ = model(b["tokens"], weights=ws, attn_mask=mask)
+        logits, _ = model(b["tokens"], weights=ws, window=L if arm.window else None)
         model.set_attention(arm.attention.name, dict(arm.attention.options))
         w = ws[layer][0, :, q, : q + 1].float().mean(0).numpy()
         ok = int(logits[0, q].argmax()) == int(b["answer"][0, j])

@@ -39,7 +39,7 @@ from lssar.runio import (
     remove_stale_temps,
 )
 from lssar.studies.common import Arm, EvalRule, code_digest, run_units, units_by_run
-from lssar.studies.recall.model import RecallModel, window_mask
+from lssar.studies.recall.model import RecallModel
 from lssar.studies.recall.presets import (
     ARMS,
     EVAL_SEED,
@@ -164,7 +164,7 @@ def _train_arm(
         opt.load_state_dict(ck["opt"])
         start, log, elapsed = ck["step"], ck["log"], ck["elapsed"]
     L = cfg.task.train_len
-    mask = window_mask(L, L) if arm.window else None
+    window = L if arm.window else None
     bar = None
     if progress:
         from tqdm import tqdm
@@ -176,7 +176,7 @@ def _train_arm(
         b = cfg.task.batch((seed, step), L, cfg.batch_size)
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        logits, _ = model(b["tokens"], attn_mask=mask)
+        logits, _ = model(b["tokens"], window=window)
         tgt = b["targets"]
         loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
@@ -280,12 +280,12 @@ def evaluate_arm(
         if str(m) in cached:
             continue
         T = m * L
-        mask = window_mask(T, L) if arm.window else None
+        window = L if arm.window else None
         correct, dist = [], []
         for c in range(0, cfg.eval_seqs, cfg.eval_batch):
             size = min(cfg.eval_batch, cfg.eval_seqs - c)
             b = cfg.task.batch((EVAL_SEED, m, c), T, size)
-            logits, _ = model(b["tokens"], attn_mask=mask)
+            logits, _ = model(b["tokens"], window=window)
             qp = b["query_pos"]
             pred = logits.gather(1, qp[..., None].expand(-1, -1, logits.shape[-1])).argmax(-1)
             correct += (pred == b["answer"]).flatten().int().tolist()
