@@ -845,3 +845,17 @@ def test_git_dirty_counts_tracked_changes_and_untracked_code(monkeypatch, status
 
     monkeypatch.setattr(runio, "_git", lambda *a: status)
     assert runio.git_dirty() is dirty
+
+
+def test_conditions_say_which_commands_threads_and_isa_made_the_results():
+    from lssar.studies.common import conditions
+
+    own = {"argv": ["lssar/__main__.py", "reproduce", "--preset", "cpu"], "threads": 1}
+    own["cpu_isa"] = "AVX512"
+    text = conditions([own, {**own, "cpu_isa": "AVX2", "threads": 2}])
+    assert text.startswith("Trained and evaluated by the project's own commands only")
+    assert "`lssar reproduce --preset cpu`" in text
+    assert "threads per process: 1, 2" in text and "CPU ISA: AVX2, AVX512" in text
+    adhoc = conditions([own, {"argv": ["scripts/mine.py", "--x"]}, {}])
+    assert adhoc.startswith("**Not only the project's commands**: also `scripts/mine.py --x`")
+    assert "1 of 3 results do not record their command" in adhoc

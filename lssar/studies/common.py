@@ -196,6 +196,33 @@ def provenance_head(envs: Sequence[dict[str, Any]], report_env: dict[str, Any]) 
     )
 
 
+def conditions(envs: Sequence[dict[str, Any]]) -> str:
+    """A sentence on how results were made, from their environments: the commands (the project's
+    own, ``lssar ...``, or which other drivers), torch threads per process and the CPU ISA. An
+    environment without these fields (older results) is counted as unrecorded."""
+    own, other, missing = set(), set(), 0
+    for e in envs:
+        argv = e.get("argv")
+        if not argv:
+            missing += 1
+        elif Path(argv[0]).name == "lssar" or argv[0].endswith("lssar/__main__.py"):
+            own.add(" ".join(["lssar", *argv[1:]]))
+        else:
+            other.add(" ".join(argv))
+    fields = lambda k: ", ".join(sorted({str(e[k]) for e in envs if e.get(k) is not None}))  # noqa: E731
+    head = (
+        "Trained and evaluated by the project's own commands only"
+        if not other
+        else f"**Not only the project's commands**: also `{'`, `'.join(sorted(other))}`"
+    )
+    cmds = f" (`{'`, `'.join(sorted(own))}`)" if own else ""
+    gap = f"; {missing} of {len(envs)} results do not record their command" if missing else ""
+    return (
+        f"{head}{cmds}{gap}. Torch threads per process: {fields('threads') or 'not recorded'}; "
+        f"CPU ISA: {fields('cpu_isa') or 'not recorded'}."
+    )
+
+
 def write_report(
     out: Path,
     lines: Sequence[str],

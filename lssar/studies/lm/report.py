@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from lssar.runio import environment
-from lssar.studies.common import provenance_head
+from lssar.studies.common import conditions, provenance_head
 from lssar.studies.common import write_report as write_files
 from lssar.studies.lm.figures import group, normalised, plot_results
 from lssar.studies.lm.presets import (
@@ -250,7 +250,8 @@ def _provenance(results: list[dict[str, Any]], env: dict[str, Any]) -> tuple[str
     head = provenance_head(dirty, env)
     head += (
         f" Training runs at commit {short(train_shas)} ({n_runs} runs); evaluations at "
-        f"{short(eval_shas)}; this report at {str(env.get('git_sha'))[:10]}."
+        f"{short(eval_shas)}; this report at {str(env.get('git_sha'))[:10]}. "
+        + conditions([e for r in results for e in (r["env"], r.get("eval_env") or {})])
     )
     rows = [
         "| result | trained at | evaluated at | evaluation code |",

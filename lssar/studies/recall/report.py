@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lssar.studies.common import provenance_head
+from lssar.studies.common import conditions, provenance_head
 from lssar.studies.common import write_report as write_files
 from lssar.studies.recall.plots import plot_accuracy, plot_attention_maps
 from lssar.studies.recall.presets import ARMS, EVAL_PS, eval_label
@@ -144,7 +144,7 @@ def _provenance(meta: dict[str, Any]) -> list[str]:
         provenance_head(list(runs), env)
         + f" Training runs: commit {', '.join(shas)}; report: commit {env.get('git_sha')}. "
         f"{len(runs)} models, {secs / 60:.1f} min of training summed over them "
-        f"({meta['config'].get('jobs', 1)} worker processes)."
+        f"({meta['config'].get('jobs', 1)} worker processes). " + conditions(list(runs))
     ]
 
 

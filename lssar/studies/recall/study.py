@@ -374,8 +374,10 @@ def run_unit(
                 "run": str(rd),
                 "train_seconds": done.get("train_seconds"),
                 "final_train_acc": (done.get("log") or [{}])[-1].get("acc"),
-                "git_sha": done.get("env", {}).get("git_sha"),
-                "git_dirty": done.get("env", {}).get("git_dirty"),
+                **{
+                    k: done.get("env", {}).get(k)
+                    for k in ("git_sha", "git_dirty", "argv", "threads", "cpu_isa")
+                },
             }
         )
         for rule in _eval_rules(cfg, arm):
