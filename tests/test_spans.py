@@ -1,8 +1,17 @@
 """Packed documents (``cu_seqlens``), sliding windows and sink tokens (issue #26), on every
 implementation that takes them, against each document run alone and against the dense mask the
-rule stands for, forward and gradients, within the accuracy rule of tests/accuracy.py."""
+rule stands for, forward and gradients, within the accuracy rule of tests/accuracy.py.
+
+``impl="triton"`` has no float64 kernels (float64 runs on chunked): it is compared in float32
+within the accuracy rule (:func:`_assert_matches`). Without a GPU it runs in the Triton
+interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py; 16 x 16 tiles, so the lengths
+here split its blocks): slow, so the default run keeps a few of its cases and ``-m slow`` the rest.
+"""
 
 from __future__ import annotations
+
+import os
+import types
 
 import pytest
 import torch
@@ -10,8 +19,14 @@ import torch
 import lssar
 from lssar.ops import chunked, registry, sdpa
 from lssar.ops.spans import key_spans, span_counts
+from lssar.ops.variants import VARIANTS
 from tests.accuracy import assert_within_rule, rounding_sensitivity
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# triton runs here: on a GPU, or interpreted (conftest.py sets the variable before triton loads)
+TRITON = "triton" in registry.IMPLS and (
+    DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+)
 SOFTPLUS_IMPLS = ["reference", "chunked", "cpu"]
 SOFTMAX_IMPLS = ["reference", "sdpa"]
 CASES = [  # (variant, options, impls)
@@ -21,8 +36,19 @@ CASES = [  # (variant, options, impls)
     ("softmax-qknorm-logn", {}, SOFTMAX_IMPLS),
 ]
 GRID = [(v, o, i) for v, o, impls in CASES for i in impls]
-# documents of lengths that split 7-row blocks, with a 1-token and an empty document
+# documents of lengths that split 7-row (chunked) and 16-row (interpreted triton) blocks, with a
+# 1-token and an empty document
 DOCS = [5, 17, 1, 0, 40]
+needs_triton = pytest.mark.skipif(
+    not TRITON, reason="needs triton on a GPU or with TRITON_INTERPRET=1"
+)
+
+
+def _triton(variant, *args, default=False):
+    """A triton case of a grid: in the default run only when ``default`` (the interpreter is
+    slow), else under ``-m slow``."""
+    marks = [needs_triton] + ([] if default else [pytest.mark.slow])
+    return pytest.param(variant, {}, "triton", *args, marks=marks)
 
 
 def _cu(lengths):
@@ -38,8 +64,40 @@ def _inputs(t_q, t_k, dtype=torch.float32, b=2, h=2, d=16, seed=0):
 
 
 def _run(q, k, v, grad, **kw):
-    out = lssar.attention(q, k, v, **kw)
+    if kw.get("impl") == "triton" and DEVICE != "cpu":  # on the GPU; results back on the CPU
+        if kw.get("attn_mask") is not None:
+            kw["attn_mask"] = kw["attn_mask"].to(DEVICE)
+        out = lssar.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), **kw).cpu()
+    else:
+        out = lssar.attention(q, k, v, **kw)
     return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+
+def _assert_matches(impl, q, k, v, grad, fast_kw, ref_kw):
+    """``impl`` with ``fast_kw`` against the reference with ``ref_kw`` (the same visibility
+    written another way), outputs and gradients, on float64 inputs: exactly (to float64
+    rounding), or for triton in float32 within the accuracy rule (float64 against a float64
+    reference on the rounded inputs, tolerance from the float32 reference's own error)."""
+    if impl != "triton":
+        got = _run(q, k, v, grad, impl=impl, **fast_kw)
+        want = _run(q, k, v, grad, impl="reference", **ref_kw)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        return
+    x32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    x64 = [t.detach().double().requires_grad_() for t in x32]
+    golden = _run(*x64, grad, impl="reference", **ref_kw)
+    ref = _run(*x32, grad.float(), impl="reference", **ref_kw)
+    fast = _run(*x32, grad.float(), impl="triton", **fast_kw)
+
+    def run64(*xs):
+        return _run(*xs, grad, impl="reference", **ref_kw)
+
+    # 8 perturbations, not 2: p = 15 makes a few rows ill-conditioned, where 2 underestimate the
+    # conditioning and the kernel's error on them (the same with a dense mask) would be judged
+    # against the float32 reference's lucky draw
+    sens = rounding_sensitivity(run64, x64, golden, torch.float32, tries=8)
+    assert_within_rule(fast, ref, golden, sens)
 
 
 def _small_blocks(impl):
@@ -63,8 +121,15 @@ def _per_document(q, k, v, grad, cu_q, cu_k, **kw):
     return [out, *grads]
 
 
-@pytest.mark.parametrize("variant,opts,impl", GRID)
-@pytest.mark.parametrize("causal", [True, False])
+PACKED = [(v, o, i, c) for v, o, i in GRID for c in (True, False)] + [
+    _triton("lssar", True, default=True),
+    _triton("lssar", False),
+    _triton("lssa", True),
+    _triton("lssa", False),
+]
+
+
+@pytest.mark.parametrize("variant,opts,impl,causal", PACKED)
 def test_packed_batch_equals_each_document_alone(variant, opts, impl, causal):
     cu = _cu(DOCS)
     t = int(cu[-1])
@@ -99,6 +164,27 @@ def test_packed_queries_against_a_packed_cache(impl):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "cu_q,cu_k,window,sinks",
+    [
+        ([2, 1, 3], [9, 4, 20], None, 0),
+        # documents whose queries split 16-row blocks, one with more queries than keys, a window
+        # and sinks: per key, the rows that see it come from the host's ranges (dk/dv)
+        ([20, 3, 17], [5, 30, 45], (7, 0), 3),
+    ],
+)
+def test_triton_packed_queries_against_a_packed_cache(cu_q, cu_k, window, sinks):
+    cu_q, cu_k = _cu(cu_q), _cu(cu_k)
+    q, k, v = _inputs(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.float64, b=1)
+    grad = torch.randn(q.shape[:-1] + v.shape[-1:], dtype=torch.float64)
+    kw = dict(
+        variant="lssar", is_causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k, window=window,
+        sink_tokens=sinks,
+    )  # fmt: skip
+    _assert_matches("triton", q, k, v, grad, kw, kw)
+
+
 def _window_mask(t, left, right, sinks, causal):
     i = torch.arange(t)[:, None]
     j = torch.arange(t)[None, :]
@@ -115,34 +201,43 @@ def _window_mask(t, left, right, sinks, causal):
 
 
 WINDOWS = [((6, 0), 0, True), ((6, 0), 2, True), ((3, 4), 1, False), ((None, 2), 0, False)]
+# the sinks' blocks and the window's with blocks between them to skip: rows 48.. of 16-row tiles
+WINDOW_GRID = [(v, o, i, *w) for v, o, i in GRID for w in WINDOWS] + [
+    _triton(variant, *w, default=(variant, w) == ("lssar", WINDOWS[1]))
+    for variant in ("lssar", "lssa")
+    for w in WINDOWS
+]
 
 
-@pytest.mark.parametrize("variant,opts,impl", GRID)
-@pytest.mark.parametrize("window,sinks,causal", WINDOWS)
+@pytest.mark.parametrize("variant,opts,impl,window,sinks,causal", WINDOW_GRID)
 def test_window_equals_its_dense_mask(variant, opts, impl, window, sinks, causal):
-    t = 45
+    t = 70
     q, k, v = _inputs(t, t, dtype=torch.float64)
     grad = torch.randn(q.shape, dtype=torch.float64)
     kw = dict(variant=variant, **opts)
     mask = _window_mask(t, *window, sinks, causal)
-    want = _run(q, k, v, grad, impl="reference", attn_mask=mask, **kw)
-    got = _run(
-        q,
-        k,
-        v,
-        grad,
-        impl=impl,
-        is_causal=causal,
-        window=window,
-        sink_tokens=sinks,
-        impl_options=_small_blocks(impl),
-        **kw,
+    fast = dict(
+        is_causal=causal, window=window, sink_tokens=sinks, impl_options=_small_blocks(impl), **kw
     )
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    _assert_matches(impl, q, k, v, grad, fast, dict(attn_mask=mask, **kw))
 
 
-@pytest.mark.parametrize("impl", SOFTPLUS_IMPLS + ["sdpa"])
+@needs_triton
+def test_triton_gqa_with_window_and_sinks():
+    """A key head's dk/dv sum over its query heads (the group loop of the dk/dv kernel)."""
+    q, _, _ = _inputs(40, 40, dtype=torch.float64, b=1, h=4)
+    _, k, v = _inputs(40, 40, dtype=torch.float64, b=1, h=2, seed=1)
+    grad = torch.randn(q.shape, dtype=torch.float64)
+    kw = dict(variant="lssar", enable_gqa=True)
+    fast = dict(window=(3, 4), sink_tokens=1, **kw)
+    _assert_matches(
+        "triton", q, k, v, grad, fast, dict(attn_mask=_window_mask(40, 3, 4, 1, False), **kw)
+    )
+
+
+@pytest.mark.parametrize(
+    "impl", SOFTPLUS_IMPLS + ["sdpa", pytest.param("triton", marks=needs_triton)]
+)
 def test_window_with_key_padding_and_documents(impl):
     """A window inside packed documents, and a window with key padding: N_i counts what both
     allow (prefix sums for the padding)."""
@@ -151,20 +246,14 @@ def test_window_with_key_padding_and_documents(impl):
     q, k, v = _inputs(41, 41, dtype=torch.float64)
     grad = torch.randn(q.shape, dtype=torch.float64)
     kw = dict(variant=variant, is_causal=True, impl_options=_small_blocks(impl))
-    got = _run(q, k, v, grad, impl=impl, cu_seqlens=cu, window=(5, 0), **kw)
     doc = torch.repeat_interleave(torch.tensor([0, 1]), torch.tensor([11, 30]))
     dense = (doc[:, None] == doc[None, :]) & _window_mask(41, 5, 0, 0, True)
-    want = _run(q, k, v, grad, impl="reference", attn_mask=dense, variant=variant)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    fast = dict(cu_seqlens=cu, window=(5, 0), **kw)
+    _assert_matches(impl, q, k, v, grad, fast, dict(attn_mask=dense, variant=variant))
     pad = torch.rand(2, 1, 1, 41, generator=torch.Generator().manual_seed(1)) > 0.3
-    got = _run(q, k, v, grad, impl=impl, attn_mask=pad, window=(5, 0), **kw)
-    want = _run(
-        q, k, v, grad, impl="reference", attn_mask=pad & _window_mask(41, 5, 0, 0, True),
-        variant=variant,
-    )  # fmt: skip
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    fast = dict(attn_mask=pad, window=(5, 0), **kw)
+    ref = dict(attn_mask=pad & _window_mask(41, 5, 0, 0, True), variant=variant)
+    _assert_matches(impl, q, k, v, grad, fast, ref)
 
 
 def test_counts_restart_at_each_document_and_count_the_window():
@@ -176,27 +265,28 @@ def test_counts_restart_at_each_document_and_count_the_window():
     assert span_counts(wide, None).flatten().tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_padding_never_leaks_and_rows_without_keys_are_zero():
+@pytest.mark.parametrize("impl", SOFTPLUS_IMPLS + [pytest.param("triton", marks=needs_triton)])
+def test_padding_never_leaks_and_rows_without_keys_are_zero(impl):
     """NaN / inf in padded keys (a window over key padding) never reach a row; queries of a
     document without keys give zeros, whatever they hold."""
-    q, k, v = (t.detach() for t in _inputs(16, 16, dtype=torch.float64))
-    pad = torch.ones(16, dtype=torch.bool)
+    dtype = torch.float32 if impl == "triton" else torch.float64  # (triton: float64 is chunked)
+    q, k, v = (t.detach().to(DEVICE if impl == "triton" else "cpu") for t in _inputs(16, 16, dtype))
+    pad = torch.ones(16, dtype=torch.bool, device=q.device)
     pad[3:7] = False
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 3:7], v2[:, :, 3:7] = float("nan"), float("inf")
     cu_q, cu_k = _cu([2, 3]), _cu([0, 9])
-    for impl in SOFTPLUS_IMPLS:
-        kw = dict(is_causal=True, window=(4, 0), impl=impl)
-        a = lssar.attention(q, k, v, attn_mask=pad, **kw)
-        b = lssar.attention(q, k2, v2, attn_mask=pad, **kw)
-        torch.testing.assert_close(a, b)
-        q5 = q[:, :, :5].clone()
-        q5[:, :, :2] = float("nan")
-        out = lssar.attention(
-            q5, k[:, :, :9], v[:, :, :9], is_causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k,
-            impl=impl,
-        )  # fmt: skip
-        assert torch.isfinite(out).all() and (out[:, :, :2] == 0).all()
+    kw = dict(is_causal=True, window=(4, 0), impl=impl)
+    a = lssar.attention(q, k, v, attn_mask=pad, **kw)
+    b = lssar.attention(q, k2, v2, attn_mask=pad, **kw)
+    torch.testing.assert_close(a, b)
+    q5 = q[:, :, :5].clone()
+    q5[:, :, :2] = float("nan")
+    out = lssar.attention(
+        q5, k[:, :, :9], v[:, :, :9], is_causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k,
+        impl=impl,
+    )  # fmt: skip
+    assert torch.isfinite(out).all() and (out[:, :, :2] == 0).all()
 
 
 def test_a_block_reads_only_the_keys_its_rows_may_see(monkeypatch):
@@ -251,6 +341,138 @@ def test_sdpa_blocks_read_only_visible_keys(monkeypatch):
     q, k, v = _inputs(200, 200)
     lssar.attention(q, k, v, is_causal=True, window=(19, 0), variant="softmax", impl="sdpa")
     assert seen and max(seen) <= 10 + 19
+
+
+def _interpreted_host():
+    """The triton host module when its kernels run interpreted (16 x 16 tiles), else skip."""
+    pytest.importorskip("triton")
+    from lssar.ops.triton import host
+
+    if not host._interpreting():
+        pytest.skip("block sizes are known only in the interpreter (fixed 16 x 16 tiles)")
+    return host
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "kw,poison,bad,rows,keys",
+    [
+        # window + sinks: rows 64..79 read key blocks [0, 16) and [48, 80), not [16, 48); keys
+        # 64..79 are seen by rows 64..79 only
+        (dict(is_causal=True, window=(6, 0), sink_tokens=2), "qkv", slice(16, 48), 64, 64),
+        # two documents of 40: rows 48..79 read key blocks [32, 80), not [0, 32) ...
+        pytest.param(
+            dict(cu_seqlens=_cu([40, 40])), "kv", slice(0, 32), 48, None, marks=pytest.mark.slow
+        ),
+        # ... and keys 48..79 are read by row blocks [32, 80), not [0, 32)
+        pytest.param(
+            dict(cu_seqlens=_cu([40, 40])), "q", slice(0, 32), 32, 48, marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_triton_programs_read_only_the_blocks_their_spans_reach(kw, poison, bad, rows, keys):
+    """Poison (NaN) queries, keys or values in blocks that some programs' spans do not reach: a
+    program that visited them would multiply a NaN by a zero weight. The outputs and dq of the
+    rows from ``rows`` on, and dk and dv of the keys from ``keys`` on, equal the clean run's
+    (the rows of a block that reads a poisoned block legitimately turn NaN: they are before)."""
+    _interpreted_host()
+    q, k, v = (t.detach() for t in _inputs(80, 80, b=1, h=1))
+    grad = torch.randn(q.shape)
+    dirty = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+    for name in poison:
+        dirty[name][:, :, bad] = float("nan")
+    leaves = [[t.requires_grad_() for t in xs] for xs in ((q, k, v), dirty.values())]
+    clean, poisoned = (_run(*xs, grad, impl="triton", variant="lssar", **kw) for xs in leaves)
+    assert torch.isnan(poisoned[0]).any()  # the poison is there, for the rows that see it
+    for a, b in zip(clean[:2], poisoned[:2]):  # out, dq
+        torch.testing.assert_close(b[:, :, rows:], a[:, :, rows:])
+    if keys is not None:
+        for a, b in zip(clean[2:], poisoned[2:]):  # dk, dv
+            torch.testing.assert_close(b[:, :, keys:], a[:, :, keys:])
+
+
+SPAN_CASES = [
+    dict(t_q=63, t_k=63, is_causal=True, cu_seqlens=_cu(DOCS)),
+    dict(t_q=63, t_k=63, is_causal=False, cu_seqlens=_cu(DOCS), window=(3, 2)),
+    dict(t_q=70, t_k=70, is_causal=True, window=(6, 0), sink_tokens=2),
+    dict(t_q=70, t_k=70, is_causal=False, window=(3, 4), sink_tokens=1),
+    dict(t_q=70, t_k=70, is_causal=False, window=(None, 2)),
+    dict(t_q=6, t_k=33, is_causal=True, cu_seqlens=_cu([2, 1, 3]), cu_seqlens_k=_cu([9, 4, 20])),
+    # more queries than keys in a document, a window and sinks
+    dict(
+        t_q=40,
+        t_k=80,
+        is_causal=True,
+        cu_seqlens=_cu([20, 3, 17]),
+        cu_seqlens_k=_cu([5, 30, 45]),
+        window=(7, 0),
+        sink_tokens=3,
+    ),
+    dict(t_q=30, t_k=12, is_causal=False, cu_seqlens=_cu([25, 5]), cu_seqlens_k=_cu([4, 8])),
+]
+
+
+@pytest.mark.parametrize("case", SPAN_CASES)
+def test_triton_key_rows_are_the_rows_that_see_each_key(case):
+    """The dk/dv kernel's per-key query rows (computed on the host, without assuming the bounds
+    are monotone) are exactly the rows that see the key, by the dense mask: the bounds of
+    documents, windows and sinks are non-decreasing, for T_q != T_k too."""
+    pytest.importorskip("triton")
+    from lssar.ops.triton.host import _key_rows
+
+    kw = dict(case)
+    t_q, t_k = kw.pop("t_q"), kw.pop("t_k")
+    spans = key_spans(t_q, t_k, torch.device("cpu"), **kw)
+    first, last = _key_rows(spans, t_q).long()
+    dense = spans.dense()
+    for j in range(t_k):
+        rows = dense[:, j].nonzero().flatten()
+        if rows.numel() == 0:
+            assert first[j] >= last[j], j
+        else:
+            assert (first[j].item(), last[j].item()) == (rows.min().item(), rows.max().item() + 1)
+            assert dense[first[j] : last[j], j].all(), j  # one contiguous range
+
+
+def test_triton_key_rows_cover_non_monotone_bounds():
+    """Bounds out of order (no rule makes them today): the ranges still hold every row that
+    sees each key (a superset: more work, the same result)."""
+    pytest.importorskip("triton")
+    from lssar.ops.triton.host import _rows_seeing
+
+    g = torch.Generator().manual_seed(0)
+    lo = torch.randint(0, 30, (50,), generator=g)
+    hi = lo + torch.randint(0, 10, (50,), generator=g)
+    first, last = _rows_seeing(lo, hi, 40)
+    j = torch.arange(40)
+    sees = (lo[:, None] <= j) & (j < hi[:, None])  # (rows, keys)
+    i = torch.arange(50)[:, None]
+    assert (~sees | ((i >= first) & (i < last))).all()
+
+
+@needs_triton
+def test_triton_op_with_spans_registers_schema_fake_and_autograd():
+    pytest.importorskip("triton")
+    from lssar.ops.triton import host
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=g).to(DEVICE) for _ in range(3))
+    spans = key_spans(20, 20, q.device, True, window=(4, 0), sink_tokens=2)
+    bounds = (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)
+    torch.library.opcheck(
+        host.triton_softplus_attention_op,
+        (q, k, v, None, False, 2.77, True, True, 15.0, True, *bounds),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+@pytest.mark.skipif("triton" not in registry.IMPLS, reason="needs the triton package")
+def test_auto_runs_spans_on_cuda_with_triton():
+    cuda = types.SimpleNamespace(
+        is_cuda=True, shape=(1, 1, 256, 8), dtype=torch.float32, device=torch.device("cuda")
+    )
+    assert registry.resolve("lssar", "auto", cuda, cuda, 0.0, {}, spans=True).impl == "triton"
+    assert registry.IMPLS["triton"].supports(VARIANTS["lssar"], VARIANTS["lssar"].options)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ rest of the suite (``tests/conftest.py``) decorates the kernels for the interpre
 process, so this file and ``tests/test_triton_kernels.py`` pass in one run in either order.
 The default run compiles, for each kernel of each case of the reduced grid, the config the
 autotuner may pick that is closest to spilling by the kernels' own estimate, for sm_80 and sm_90
-(48 builds, about 2.5 minutes on 2 busy cores; cached per build under ``$LSSAR_COMPILE_CACHE`` or
+(56 builds, one case with key spans and sinks; about 3 minutes on 2 busy cores, 9.5 measured
+cold on 2 overloaded ones; cached per build under ``$LSSAR_COMPILE_CACHE`` or
 ``~/.cache/lssar/compile_check``, so a second run is cheap); ``-m slow`` compiles every config of
 the full grid (hours on 2 cores).
 """
@@ -54,9 +55,14 @@ def _assert_clean(rows: list[dict], report: str) -> None:
 
 def test_reduced_grid_covers_every_kernel_and_arch(reduced):
     rows, _ = reduced
-    assert {r["kernel"] for r in rows} == {"fwd", "rows", "dq", "dkdv"}
+    kernels = {"fwd", "rows", "dq", "dkdv"}
+    assert {r["kernel"] for r in rows} == kernels
     assert {r["arch"] for r in rows} == {80, 90}
     assert all(r["kept"] for r in rows)
+    # key spans with sinks (HAS_SPANS, HAS_SINKS): every kernel, both archs
+    assert {(r["kernel"], r["arch"]) for r in rows if r["spans"] == "sinks"} == {
+        (k, a) for k in kernels for a in (80, 90)
+    }
 
 
 def test_reduced_grid_compiles_within_resources_without_spills(reduced):
@@ -127,13 +133,15 @@ def test_pruning_keeps_a_config_and_drops_measured_spills(bd, ieee):
     lists = {"fwd": K._ROW_CONFIGS, "rows": K._ROW_CONFIGS, "dq": K._ROW_CONFIGS}
     lists["dkdv"] = K._COL_CONFIGS
     for kind, configs in lists.items():
-        for tq in (1, 1024):
-            kept = K._pruner(kind)(configs, {"tq_key": tq}, BD=bd, BDV=bd, IEEE=ieee)
+        for tq, spans in ((1, False), (1024, False), (1024, True)):
+            prune = K._pruner(kind)
+            kept = prune(configs, {"tq_key": tq}, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
             assert kept, (kind, bd, ieee)
             for c in kept:
                 key = (kind, bd, ieee, c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages)
                 assert key not in K.MEASURED_SPILLS, key
-                assert K.fits(kind, c, bd, bd, ieee), key
+                assert not spans or key not in K.MEASURED_SPAN_SPILLS, key
+                assert K.fits(kind, c, bd, bd, ieee, spans), key
                 if kind != "dkdv" and tq == 1:
                     assert c.kwargs["BM"] == 16  # decoding: no taller row tiles to tune
 

@@ -221,6 +221,7 @@ for _entry in (
         options={"precise": True},
         float64="chunked",
         torch_func=False,
+        spans=True,
     ),
     Impl(
         "flex",

@@ -48,6 +48,7 @@ from unittest import mock
 import torch
 import triton
 
+from lssar.ops.spans import key_spans
 from lssar.ops.triton import host
 from lssar.ops.triton import kernels as K
 from lssar.ops.triton.sass import loop_counts, opcode_counts, sass
@@ -68,31 +69,42 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One combination of what a caller can choose: head dim, dtype, causal, variant, mask."""
+    """One combination of what a caller can choose: head dim, dtype, causal, variant, mask, and
+    key spans (``spans``: "" none, "window" packed documents with a sliding window, "sinks" the
+    same with sink tokens; the causal rule is then folded into the spans, as ``lssar.attention``
+    does, and the kernels run with ``HAS_SPANS`` / ``HAS_SINKS``)."""
 
     head_dim: int
     dtype: str  # a key of _DTYPES
     causal: bool
     variant: str  # a name in lssar.ops.variants.VARIANTS
     mask: bool
+    spans: str = ""  # a key of _SPANS
 
     @property
     def label(self) -> str:
         """Short, stable description, e.g. ``lssar d128 bf16 causal``."""
         flags = ("causal" if self.causal else "full") + (" mask" if self.mask else "")
+        flags += f" {self.spans}" if self.spans else ""
         return f"{self.variant} d{self.head_dim} {self.dtype} {flags}"
+
+
+# the spans of a case: documents of SEQ_LEN // 3 and the rest, a 256-key window, 4 sinks
+_SPANS = {"": None, "window": 0, "sinks": 4}
 
 
 def grid(name: str) -> list[Case]:
     """The cases of a named grid.
 
-    ``full``: head dim 64/128/256 x bf16/fp16/fp32 x causal or not x lssa/lssar x mask or not.
+    ``full``: head dim 64/128/256 x bf16/fp16/fp32 x causal or not x lssa/lssar x mask or not,
+    and the same head dims, dtypes and variants with causal spans (window, window + sinks).
     ``reduced`` (the default test run): the combinations whose resources differ most (head dim
-    128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case);
-    causal and mask add a few integer ops per element and move no tile size.
+    128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case;
+    one with spans and sinks, the superset of the span code); causal, mask and spans add a few
+    integer ops per element and move no tile size.
     """
     if name == "full":
-        return [
+        plain = [
             Case(d, dt, c, v, m)
             for d in (64, 128, 256)
             for dt in ("bf16", "fp16", "fp32")
@@ -100,6 +112,14 @@ def grid(name: str) -> list[Case]:
             for v in ("lssa", "lssar")
             for m in (False, True)
         ]
+        spans = [
+            Case(d, dt, True, v, False, sp)
+            for d in (64, 128, 256)
+            for dt in ("bf16", "fp16", "fp32")
+            for v in ("lssa", "lssar")
+            for sp in ("window", "sinks")
+        ]
+        return plain + spans
     if name == "reduced":
         return [
             Case(128, "bf16", True, "lssar", False),
@@ -108,6 +128,7 @@ def grid(name: str) -> list[Case]:
             Case(256, "bf16", True, "lssar", False),
             Case(128, "bf16", True, "lssa", False),
             Case(128, "fp16", False, "lssar", True),
+            Case(128, "bf16", True, "lssar", False, "sinks"),
         ]
     raise ValueError(f"unknown grid {name!r}: 'reduced' or 'full'")
 
@@ -145,7 +166,16 @@ def launches(case: Case) -> list[Launch]:
     c, log_n = variant.softplus_scale(case.head_dim, None)
     p = variant.options.get("p")
     p = None if p is None else float(p)
-    args = (mask, case.causal, float(c), log_n, bool(variant.qk_norm), p, True)  # precise default
+    spans = None
+    if case.spans:
+        third = SEQ_LEN // 3
+        spans = key_spans(
+            SEQ_LEN, SEQ_LEN, torch.device("cpu"), case.causal,
+            cu_seqlens=torch.tensor([0, third, SEQ_LEN]), window=(255, 0),
+            sink_tokens=_SPANS[case.spans],
+        )  # fmt: skip
+    causal = case.causal and spans is None  # folded into the spans, as lssar.attention does
+    args = (mask, causal, float(c), log_n, bool(variant.qk_norm), p, True)  # precise default
     recorded: list[Launch] = []
 
     def record(kernel, tuned, rows, parallel, *a, **kw):
@@ -153,7 +183,7 @@ def launches(case: Case) -> list[Launch]:
         recorded.append(Launch(_NAMES.get(name, name), kernel, tuned, a, kw))
 
     with mock.patch.object(host, "_launch", record):
-        out, stats = host._forward(q, k, v, *args)
+        out, stats = host._forward(q, k, v, *args, spans)
         mask_, causal, c_, log_n_, qk_norm, p_, precise = args
         host._backward(
             torch.zeros_like(out),
@@ -169,6 +199,7 @@ def launches(case: Case) -> list[Launch]:
             qk_norm,
             p_,
             precise,
+            spans,
         )
     return recorded
 

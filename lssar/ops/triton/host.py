@@ -8,6 +8,12 @@ see :mod:`lssar.ops.common`): layout ``[B, H, T, D]``; GQA with head ``h`` readi
 ``[B, H_q, T_q]`` vector computed in torch before the launch). Head dims up to 256 (any value:
 tiles are padded to a power of two); ``D_v`` may differ from ``D``.
 
+Key spans (:class:`lssar.ops.spans.KeySpans`: packed documents, sliding windows, sink tokens;
+the causal rule folded in): ``N_i`` from :func:`lssar.ops.spans.span_counts`, each row's bounds
+as int32 planes ``[lo; hi(; sink_lo; sink_hi)]`` ``(2|4, T_q)`` (``HAS_SPANS``, ``HAS_SINKS``),
+and for the dk/dv kernel per key the query rows that may see it, int32 ``(2, T_k)``
+(:func:`_key_rows`); the kernels visit only the blocks these reach.
+
 Inputs ``q, k`` of the length-scaled variants are L2-normalised *inside* the kernels: the raw
 ``q . k`` dot (fp32 accumulation) is scaled by fp32 inverse norms
 (:func:`lssar.ops.common.inv_norm`), which is as accurate as normalising in fp32 and keeps the
@@ -37,6 +43,7 @@ import triton
 from torch import Tensor
 
 from lssar.ops.common import NORM_EPS, as_4d, inv_norm, uniform_tolerance, visible_counts
+from lssar.ops.spans import KeySpans, span_counts
 from lssar.ops.triton import kernels as K
 from lssar.ops.variants import Variant
 
@@ -101,10 +108,53 @@ def _unnormalise_grad(x: Tensor, g_fix: Tensor) -> Tensor:
     return torch.where(norm > 0, g_fix - x_hat * radial, 0.0)  # a zero vector: zero gradient
 
 
+def _spans(lo, hi, sink_lo, sink_hi, t_k: int) -> KeySpans | None:
+    """The custom op's span vectors back as :class:`KeySpans` (None without them)."""
+    if lo is None:
+        return None
+    return KeySpans(lo, hi, sink_lo, sink_hi, hi, t_k)  # pos (ALiBi's distances): unused here
+
+
+def _span_planes(spans: KeySpans) -> Tensor:
+    """The rows' bounds for the kernels: int32 ``(2, T_q)`` ``[lo; hi]``, or ``(4, T_q)`` with
+    ``[sink_lo; sink_hi]`` below."""
+    rows = [spans.lo, spans.hi]
+    if spans.sink_lo is not None:
+        rows += [spans.sink_lo, spans.sink_hi]
+    return torch.stack(rows).to(torch.int32).contiguous()
+
+
+def _rows_seeing(lo: Tensor, hi: Tensor, t_k: int) -> tuple[Tensor, Tensor]:
+    """Per key ``j``, rows ``[first_j, last_j)`` containing every row ``i`` with
+    ``lo_i <= j < hi_i`` (int64 ``(T_k,)`` each). No monotonicity is assumed: ``first_j`` is the
+    first row whose running maximum of ``hi`` passes ``j``, ``last_j`` one past the last row
+    whose ``lo`` is ``<= j`` (a suffix minimum). For bounds non-decreasing in ``i`` (documents,
+    windows and the causal rule give such, for ``T_q != T_k`` too) the range is exactly the rows
+    that see ``j``; otherwise a superset (more work, the same result: the kernel masks)."""
+    j = torch.arange(t_k, device=lo.device, dtype=lo.dtype)
+    first = torch.searchsorted(hi.cummax(0).values, j, right=True)
+    suffix_min = lo.flip(0).cummin(0).values.flip(0)
+    last = torch.searchsorted(suffix_min, j, right=True)
+    return first, last
+
+
+def _key_rows(spans: KeySpans, t_q: int) -> Tensor:
+    """For the dk/dv kernel: int32 ``(2, T_k)`` ``[first; last]``, the query rows that may see
+    each key (window or sinks; their hull when both, contiguous for documents + window + sinks);
+    ``first >= last`` when none. The kernel takes the hull over its key block."""
+    first, last = _rows_seeing(spans.lo, spans.hi, spans.t_k)
+    if spans.sink_lo is not None:
+        s_first, s_last = _rows_seeing(spans.sink_lo, spans.sink_hi, spans.t_k)
+        on, s_on = last > first, s_last > s_first
+        first = torch.minimum(torch.where(on, first, t_q), torch.where(s_on, s_first, t_q))
+        last = torch.maximum(torch.where(on, last, 0), torch.where(s_on, s_last, 0))
+    return torch.stack([first, last]).to(torch.int32).contiguous()
+
+
 class _Launch:
     """Everything the four kernels share: pointers' strides, sizes, flags."""
 
-    def __init__(self, q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats):
+    def __init__(self, q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, spans):
         B, H, t_q, d = q.shape
         hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
         self.B, self.H, self.HK, self.t_q, self.t_k = B, H, hk, t_q, t_k
@@ -119,6 +169,8 @@ class _Launch:
             # bool -> uint8 view keeps the broadcast (zero) strides: no copy of the mask
             self.m = m4.expand(B, H, t_q, t_k).view(torch.uint8)
             self.mstrides = self.m.stride()
+        # spans: each row's key bounds (int32 planes); without them a placeholder pointer
+        self.sp = stats if spans is None else _span_planes(spans)
         pp = 1.0 if p is None else p
         self.scalars = (H, H // hk, t_q, t_k, t_k - t_q, B * H * t_q, scale, pp, UNIFORM_TOL)
         self.keys = (_len_key(t_q), _len_key(t_k))
@@ -136,6 +188,8 @@ class _Launch:
             IEEE=q.dtype == torch.float32,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16,
             SPLIT=bool(precise) and q.dtype in (torch.float16, torch.bfloat16),
+            HAS_SPANS=spans is not None,
+            HAS_SINKS=spans is not None and spans.sink_lo is not None,
         )
 
     def strides(self, *ts: Tensor) -> tuple[int, ...]:
@@ -146,7 +200,7 @@ def _contiguous_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
+def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=None):
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
@@ -157,15 +211,18 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
     stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=q.device)  # N, mu, x_max, W
     if t_q == 0 or t_k == 0 or B * H == 0:
         return out, stats
-    n = visible_counts(mask, is_causal, t_q, t_k, q.device)  # (B|1, H|1, T_q|1, 1)
+    if spans is None:
+        n = visible_counts(mask, is_causal, t_q, t_k, q.device)  # (B|1, H|1, T_q|1, 1)
+    else:
+        n = span_counts(spans, as_4d(mask))  # (B|1, H|1, T_q, 1)
     stats[0] = n.squeeze(-1).expand(B, H, t_q)
-    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, spans)
     _launch(
         K.fwd_kernel,
         K.fwd_tuned,
         t_q,
         B * H,
-        q, k, v, out, stats, L.iq, L.ik, L.m,
+        q, k, v, out, stats, L.iq, L.ik, L.m, L.sp,
         *L.strides(q, k, v, out), *L.mstrides,
         *L.scalars, *L.keys,
         **L.meta,
@@ -173,14 +230,17 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
     return out.to(q.dtype), stats
 
 
-def _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise):
+def _backward(
+    grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise, spans=None
+):
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     grad, out = _contiguous_last(grad), _contiguous_last(out)
     B, H, t_q, d = q.shape
     hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
     if t_q == 0 or t_k == 0 or B * H == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, spans)
+    key_rows = stats if spans is None else _key_rows(spans, t_q)  # dk/dv: rows seeing each key
     bd, bdv = L.meta["BD"], L.meta["BDV"]
     dev = q.device
     df = torch.empty(2, B, H, t_q, dtype=torch.float32, device=dev)  # D_i, F_i
@@ -193,7 +253,7 @@ def _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm,
         K.rows_tuned,
         t_q,
         B * H,
-        q, k, v, out, grad, stats, df, L.iq, L.ik, L.m,
+        q, k, v, out, grad, stats, df, L.iq, L.ik, L.m, L.sp,
         *L.strides(q, k, v, out, grad), *L.mstrides,
         *common,
         **L.meta,
@@ -203,7 +263,7 @@ def _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm,
         K.dq_tuned,
         t_q,
         B * H,
-        q, k, v, grad, stats, df, L.iq, L.ik, L.m, dq,
+        q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, dq,
         *L.strides(q, k, v, grad), *L.mstrides,
         *common,
         **L.meta,
@@ -213,7 +273,7 @@ def _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm,
         K.dkdv_tuned,
         t_k,
         B * hk,
-        q, k, v, grad, stats, df, L.iq, L.ik, L.m, dk, dvv,
+        q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, key_rows, dk, dvv,
         *L.strides(q, k, v, grad), *L.mstrides,
         *common,
         **L.meta,
@@ -236,6 +296,10 @@ def triton_softplus_attention_op(
     qk_norm: bool,
     p: float | None,
     precise: bool,
+    lo: Tensor | None = None,
+    hi: Tensor | None = None,
+    sink_lo: Tensor | None = None,
+    sink_hi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused forward. ``q (B,H_q,T_q,D)``, ``k (B,H_kv,T_k,D)``, ``v (B,H_kv,T_k,D_v)`` ->
     ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W).
@@ -243,12 +307,15 @@ def triton_softplus_attention_op(
     ``scale`` is ``ln(D)`` when ``log_n`` (then ``c_i = scale * ln N_i``), else the constant ``c``;
     ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None;
     ``precise`` splits half-precision weights into two products (see :func:`triton_attention`).
+    ``lo .. sink_hi``: a :class:`lssar.ops.spans.KeySpans`' ``(T_q,)`` vectors (documents, a
+    window, sinks; ``is_causal`` folded in), or None.
     """
-    return _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise)
+    spans = _spans(lo, hi, sink_lo, sink_hi, k.shape[2])
+    return _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans)
 
 
 @triton_softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, *spans):
     B, H, t_q, _ = q.shape
     return q.new_empty(B, H, t_q, v.shape[-1]), q.new_empty(4, B, H, t_q, dtype=torch.float32)
 
@@ -268,31 +335,37 @@ def triton_softplus_attention_backward_op(
     qk_norm: bool,
     p: float | None,
     precise: bool,
+    lo: Tensor | None = None,
+    hi: Tensor | None = None,
+    sink_lo: Tensor | None = None,
+    sink_hi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``; dk/dv summed over
     each GQA group."""
-    return _backward(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise)
+    spans = _spans(lo, hi, sink_lo, sink_hi, k.shape[2])
+    args = (is_causal, scale, log_n, qk_norm, p, precise, spans)
+    return _backward(grad, q, k, v, out, mask, stats, *args)
 
 
 @triton_softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise):
+def _(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise, *spans):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise = inputs
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, *spans = inputs
     out, stats = output
-    ctx.save_for_backward(q, k, v, out, mask, stats)
+    ctx.save_for_backward(q, k, v, out, mask, stats, *spans)
     ctx.args = (is_causal, scale, log_n, qk_norm, p, precise)
     ctx.mark_non_differentiable(stats)
 
 
 def _autograd_backward(ctx, grad, _grad_stats):
-    q, k, v, out, mask, stats = ctx.saved_tensors
+    q, k, v, out, mask, stats, *spans = ctx.saved_tensors
     dq, dk, dv = triton_softplus_attention_backward_op(
-        grad.contiguous(), q, k, v, out, mask, stats, *ctx.args
+        grad.contiguous(), q, k, v, out, mask, stats, *ctx.args, *spans
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * (7 + len(spans))
 
 
 triton_softplus_attention_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -311,6 +384,7 @@ def triton_attention(
     variant: Variant,
     options: dict[str, Any],
     precise: bool = True,
+    spans: KeySpans | None = None,
 ) -> Tensor:
     """Fused softplus-l1 attention (lssa, lssar, softplus-l1; any ``p``) on Triton.
 
@@ -323,6 +397,10 @@ def triton_attention(
     ``impl="chunked"``). ``precise=False`` trades half-precision accuracy for speed (see the module
     docstring); through the public API: ``lssar.attention(..., impl="triton",
     impl_options={"precise": False})``. The arguments are checked by ``lssar.attention``.
+    ``spans`` (:class:`lssar.ops.spans.KeySpans`, from ``lssar.attention``'s ``cu_seqlens``,
+    ``window``, ``sink_tokens``; ``is_causal`` folded in): row ``i`` sees only the keys of its
+    spans, ``N_i`` counts them (with ``attn_mask``), and each program visits only the key blocks
+    (dk/dv: the query blocks) its rows' spans reach: O(T W) work for a window W.
     """
     if dropout_p > 0:
         raise ValueError("impl='triton' has no dropout; use impl='reference' for dropout_p > 0")
@@ -357,6 +435,7 @@ def triton_attention(
         bool(variant.qk_norm),
         None if p is None else float(p),
         bool(precise),
+        *(() if spans is None else (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)),
     )
     return out
 

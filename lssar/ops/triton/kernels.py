@@ -23,6 +23,15 @@ backward (deterministic, no atomics)
     (LSSA: ``D_i = g_i . out_i`` and no pass); dq kernel over key blocks per query block; dk/dv
     kernel over query blocks (and the ``H_q / H_kv`` query heads of a GQA group) per key block.
 
+key spans (``HAS_SPANS``; :mod:`lssar.ops.spans`: packed documents, sliding windows, sink tokens,
+the causal rule folded in by the host)
+    row ``i`` sees keys ``[lo_i, hi_i)`` and, with ``HAS_SINKS``, ``[slo_i, shi_i)`` (int32 planes
+    from the host). A program over a block of rows (forward, both LSSAR passes; rows; dq) loops
+    only over the key blocks of the hulls of its rows' spans, the sinks' and the window's walked
+    as one loop that skips the blocks between them (:func:`_span_blocks`); a dk/dv program only
+    over the query blocks of the hull of its keys' row ranges (computed on the host, where no
+    monotonicity of the bounds is assumed). Without spans (constexpr) none of it is compiled in.
+
 ``q . k`` is accumulated in fp32 from the raw inputs and scaled by fp32 inverse norms (computed
 on the host); statistics and accumulators are fp32 for every input dtype; fp32 inputs use IEEE
 fp32 dots (no TF32). ``SPLIT`` feeds fp32 weights / score gradients to the tensor cores as a
@@ -142,17 +151,31 @@ def _scores(
     Tq,
     Tk,
     off,
+    lo,
+    hi,
+    slo,
+    shi,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     QK_NORM: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_SPANS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    # s_ij = c_i * (q_i . k_j) / (|q_i| |k_j|), fp32 (BM, BN), and its visibility.
+    # s_ij = c_i * (q_i . k_j) / (|q_i| |k_j|), fp32 (BM, BN), and its visibility (spans: key j
+    # in the row's [lo, hi) or [slo, shi); they lie in [0, Tk), and rows past Tq have empty ones,
+    # so no bounds test is needed then).
     s = _dot(q, tl.trans(k), IEEE, UPCAST) * cq[:, None]
     if QK_NORM:
         s = s * ik[None, :]
-    vis = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
+    if HAS_SPANS:
+        j = offs_n[None, :]
+        vis = (j >= lo[:, None]) & (j < hi[:, None])
+        if HAS_SINKS:
+            vis = vis | ((j >= slo[:, None]) & (j < shi[:, None]))
+    else:
+        vis = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
     if CAUSAL:
         vis = vis & (offs_n[None, :] <= offs_m[:, None] + off)
     if HAS_MASK:
@@ -192,6 +215,85 @@ def _program(T, B: tl.constexpr):
 
 
 @triton.jit
+def _span_rows(SP, offs_m, rmask, Tq, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    # the rows' key spans [lo, hi) and sink spans [slo, shi), int32 (BM,) from the host's
+    # (2|4, T_q) plane SP (rows past T_q: empty); without spans, placeholders that are never read
+    if HAS_SPANS:
+        lo = tl.load(SP + offs_m, mask=rmask, other=0)
+        hi = tl.load(SP + Tq + offs_m, mask=rmask, other=0)
+        if HAS_SINKS:
+            slo = tl.load(SP + 2 * Tq + offs_m, mask=rmask, other=0)
+            shi = tl.load(SP + 3 * Tq + offs_m, mask=rmask, other=0)
+        else:
+            slo = lo
+            shi = lo
+    else:
+        lo = offs_m
+        hi = offs_m
+        slo = offs_m
+        shi = offs_m
+    return lo, hi, slo, shi
+
+
+@triton.jit
+def _span_blocks(lo, hi, slo, shi, Tk, BN: tl.constexpr, HAS_SINKS: tl.constexpr):
+    # The key blocks some row of the block sees: the window blocks [w0, w1) and, with sinks, the
+    # sink blocks [s0, s1) (block-aligned hulls over the rows with a non-empty span), walked as
+    # one loop: `for it in range(start, end, BN)` at key offset _skip_gap(it, split, shift), so a
+    # block in both is visited once and the blocks between the two are skipped.
+    live = hi > lo
+    w0 = tl.min(tl.where(live, lo, Tk), 0) // BN * BN
+    w1 = tl.cdiv(tl.max(tl.where(live, hi, 0), 0), BN) * BN
+    if HAS_SINKS:
+        slive = shi > slo
+        s0 = tl.min(tl.where(slive, slo, Tk), 0) // BN * BN
+        s1 = tl.cdiv(tl.max(tl.where(slive, shi, 0), 0), BN) * BN
+        w_on = w1 > w0
+        s_on = s1 > s0
+        # an empty hull becomes a zero-length one at the other's start (or at 0)
+        w0 = tl.where(w_on, w0, tl.where(s_on, s0, 0))
+        w1 = tl.where(w_on, w1, w0)
+        s0 = tl.where(s_on, s0, w0)
+        s1 = tl.where(s_on, s1, s0)
+        swap = s0 < w0  # the sink hull comes first
+        f0 = tl.minimum(w0, s0)
+        f1 = tl.where(swap, s1, w1)
+        g0 = tl.where(swap, w0, s0)
+        g1 = tl.where(swap, w1, s1)
+        c0 = tl.maximum(g0, f1)  # the second hull's blocks not in the first
+        end = f1 + tl.maximum(g1 - c0, 0)
+        start = f0
+        split = f1
+        shift = c0 - f1
+    else:
+        start = w0
+        end = w1
+        split = w1
+        shift = 0
+    return start, end, split, shift
+
+
+@triton.jit
+def _skip_gap(it, split, shift, HAS_SINKS: tl.constexpr):
+    # key offset of loop step `it` of _span_blocks' walk (the identity without sinks)
+    if HAS_SINKS:
+        it = it + tl.where(it >= split, shift, 0)
+    return it
+
+
+@triton.jit
+def _span_query_rows(KR, offs_n, kmask, Tq, Tk, BM: tl.constexpr):
+    # the query rows that may see some key of the block: the hull of the host's per-key row
+    # ranges [KR[j], KR[Tk + j]), aligned down to a row block; (Tq, 0)-like when none
+    r0 = tl.load(KR + offs_n, mask=kmask, other=0)
+    r1 = tl.load(KR + Tk + offs_n, mask=kmask, other=0)
+    live = r1 > r0
+    m0 = tl.min(tl.where(live, r0, Tq), 0) // BM * BM
+    m1 = tl.max(tl.where(live, r1, 0), 0)
+    return m0, m1
+
+
+@triton.jit
 def _row_scale(n, c0, IQr, rows, rmask, LOG_N: tl.constexpr, QK_NORM: tl.constexpr):
     # c_i (times 1/|q_i| when q is normalised in-kernel): ln(d) ln(N_i), or the constant scale.
     if LOG_N:
@@ -226,13 +328,14 @@ def _probs_dscores(
 
 @triton.jit
 def fwd_kernel(
-    Q, K, V, O, ST, IQ, IK, M,
+    Q, K, V, O, ST, IQ, IK, M, SP,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb, smh, smq, smk,
     H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_bh = _program(Tq, BM)
     b = pid_bh // H
@@ -254,16 +357,23 @@ def fwd_kernel(
     Vb = V + b * svb + hk * svh
     IKb = IK + (b * (H // G) + hk) * Tk
     Mb = M + b * smb + h * smh
-    hi = Tk
+    lo, hi, slo, shi = _span_rows(SP, offs_m, rmask, Tq, HAS_SPANS, HAS_SINKS)
+    k_lo = 0
+    k_hi = Tk
     if CAUSAL:  # the block's last row sees keys up to off + (pid_m + 1) * BM - 1
-        hi = tl.minimum(Tk, off + (pid_m + 1) * BM)
+        k_hi = tl.minimum(Tk, off + (pid_m + 1) * BM)
+    split = k_hi
+    shift = 0
+    if HAS_SPANS:  # only the key blocks the rows' spans reach (LSSAR: both passes)
+        k_lo, k_hi, split, shift = _span_blocks(lo, hi, slo, shi, Tk, BN, HAS_SINKS)
 
     mu = tl.zeros((BM,), tl.float32)
     xmax = tl.zeros((BM,), tl.float32)
     if REWEIGHT:
         z = tl.zeros((BM,), tl.float32)
         mx = tl.full((BM,), float("-inf"), tl.float32)
-        for start_n in range(0, hi, BN):
+        for it in range(k_lo, k_hi, BN):
+            start_n = _skip_gap(it, split, shift, HAS_SINKS)
             offs_n = start_n + tl.arange(0, BN)
             kmask = offs_n < Tk
             k = tl.load(
@@ -274,8 +384,8 @@ def fwd_kernel(
             ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
             s, vis = _scores(
                 q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
-                smq, smk, Tq, Tk, off,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
+                smq, smk, Tq, Tk, off, lo, hi, slo, shi,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
             )  # fmt: skip
             z += tl.sum(tl.where(vis, _softplus(s), 0.0), 1)
             mx = tl.maximum(mx, tl.max(tl.where(vis, s, float("-inf")), 1))
@@ -289,7 +399,8 @@ def fwd_kernel(
 
     acc = tl.zeros((BM, BDV), tl.float32)
     wsum = tl.zeros((BM,), tl.float32)
-    for start_n in range(0, hi, BN):
+    for it in range(k_lo, k_hi, BN):
+        start_n = _skip_gap(it, split, shift, HAS_SINKS)
         offs_n = start_n + tl.arange(0, BN)
         kmask = offs_n < Tk
         k = tl.load(
@@ -300,8 +411,8 @@ def fwd_kernel(
         ik = tl.load(IKb + offs_n, mask=kmask, other=0.0)
         s, vis = _scores(
             q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
-            smq, smk, Tq, Tk, off,
-            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
+            smq, smk, Tq, Tk, off, lo, hi, slo, shi,
+            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
         )  # fmt: skip
         a = _softplus(s)
         if REWEIGHT:
@@ -330,14 +441,15 @@ def fwd_kernel(
 
 @triton.jit
 def bwd_rows_kernel(
-    Q, K, V, O, GO, ST, DF, IQ, IK, M,
+    Q, K, V, O, GO, ST, DF, IQ, IK, M, SP,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sgb, sgh, sgt,
     smb, smh, smq, smk,
     H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # D_i = sum_j P_ij dP_ij and F_i = sum_j dx_ij. For LSSAR both come from one pass over the
     # keys with the same fp32 P as the dq/dk/dv kernels (not from the rounded output):
@@ -376,13 +488,20 @@ def bwd_rows_kernel(
         Vb = V + b * svb + hk * svh
         IKb = IK + (b * (H // G) + hk) * Tk
         Mb = M + b * smb + h * smh
-        hi = Tk
+        lo, hi, slo, shi = _span_rows(SP, offs_m, rmask, Tq, HAS_SPANS, HAS_SINKS)
+        k_lo = 0
+        k_hi = Tk
         if CAUSAL:
-            hi = tl.minimum(Tk, off + (pid_m + 1) * BM)
+            k_hi = tl.minimum(Tk, off + (pid_m + 1) * BM)
+        split = k_hi
+        shift = 0
+        if HAS_SPANS:
+            k_lo, k_hi, split, shift = _span_blocks(lo, hi, slo, shi, Tk, BN, HAS_SINKS)
         dsum = tl.zeros((BM,), tl.float32)
         s1 = tl.zeros((BM,), tl.float32)
         s2 = tl.zeros((BM,), tl.float32)
-        for start_n in range(0, hi, BN):
+        for it in range(k_lo, k_hi, BN):
+            start_n = _skip_gap(it, split, shift, HAS_SINKS)
             offs_n = start_n + tl.arange(0, BN)
             kmask = offs_n < Tk
             k = tl.load(
@@ -398,8 +517,8 @@ def bwd_rows_kernel(
             )
             s, vis = _scores(
                 q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
-                smq, smk, Tq, Tk, off,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
+                smq, smk, Tq, Tk, off, lo, hi, slo, shi,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
             )  # fmt: skip
             a = _softplus(s)
             w, rpm1 = _sharpen(a, mu, inv_xmax, p, P_INT)
@@ -424,13 +543,14 @@ def bwd_rows_kernel(
 
 @triton.jit
 def bwd_dq_kernel(
-    Q, K, V, GO, ST, DF, IQ, IK, M, DQ,
+    Q, K, V, GO, ST, DF, IQ, IK, M, SP, DQ,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt, smb, smh, smq, smk,
     H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # dq_fix_i = sum_j ds_ij c_i / (|q_i| |k_j|) k_j (gradient at fixed norms), fp32 (B,H,Tq,BD).
     pid_m, pid_bh = _program(Tq, BM)
@@ -468,11 +588,18 @@ def bwd_dq_kernel(
     Vb = V + b * svb + hk * svh
     IKb = IK + (b * (H // G) + hk) * Tk
     Mb = M + b * smb + h * smh
-    hi = Tk
+    lo, hi, slo, shi = _span_rows(SP, offs_m, rmask, Tq, HAS_SPANS, HAS_SINKS)
+    k_lo = 0
+    k_hi = Tk
     if CAUSAL:
-        hi = tl.minimum(Tk, off + (pid_m + 1) * BM)
+        k_hi = tl.minimum(Tk, off + (pid_m + 1) * BM)
+    split = k_hi
+    shift = 0
+    if HAS_SPANS:
+        k_lo, k_hi, split, shift = _span_blocks(lo, hi, slo, shi, Tk, BN, HAS_SINKS)
     dq = tl.zeros((BM, BD), tl.float32)
-    for start_n in range(0, hi, BN):
+    for it in range(k_lo, k_hi, BN):
+        start_n = _skip_gap(it, split, shift, HAS_SINKS)
         offs_n = start_n + tl.arange(0, BN)
         kmask = offs_n < Tk
         k = tl.load(
@@ -488,8 +615,8 @@ def bwd_dq_kernel(
         )
         s, vis = _scores(
             q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
-            smq, smk, Tq, Tk, off,
-            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
+            smq, smk, Tq, Tk, off, lo, hi, slo, shi,
+            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
         )  # fmt: skip
         a, sig = _softplus_sigmoid(s)
         dp = _dot(go, tl.trans(v), IEEE, UPCAST)
@@ -507,13 +634,14 @@ def bwd_dq_kernel(
 
 @triton.jit
 def bwd_dkdv_kernel(
-    Q, K, V, GO, ST, DF, IQ, IK, M, DK, DVO,
+    Q, K, V, GO, ST, DF, IQ, IK, M, SP, KR, DK, DVO,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt, smb, smh, smq, smk,
     H, G, Tq, Tk, off, plane, c0, p, tol, tq_key, tk_key,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # One key block of one kv head; loops over the G query heads of its GQA group and over the
     # query blocks that can see it, so dk/dv are summed in registers (deterministic).
@@ -536,9 +664,12 @@ def bwd_dkdv_kernel(
         other=0.0,
     )
     ik = tl.load(IK + pid_bk * Tk + offs_n, mask=kmask, other=0.0)
-    lo = 0
+    m_lo = 0
+    m_hi = Tq
     if CAUSAL:  # query i sees key j iff j <= off + i: rows before n0 - off cannot see this block
-        lo = (tl.maximum(pid_n * BN - off, 0) // BM) * BM
+        m_lo = (tl.maximum(pid_n * BN - off, 0) // BM) * BM
+    if HAS_SPANS:  # only the row blocks whose spans may reach this key block
+        m_lo, m_hi = _span_query_rows(KR, offs_n, kmask, Tq, Tk, BM)
     dk = tl.zeros((BN, BD), tl.float32)
     dv = tl.zeros((BN, BDV), tl.float32)
     for g in range(G):
@@ -547,9 +678,10 @@ def bwd_dkdv_kernel(
         Qb = Q + b * sqb + h * sqh
         GOb = GO + b * sgb + h * sgh
         Mb = M + b * smb + h * smh
-        for start_m in range(lo, Tq, BM):
+        for start_m in range(m_lo, m_hi, BM):
             offs_m = start_m + tl.arange(0, BM)
             rmask = offs_m < Tq
+            lo, hi, slo, shi = _span_rows(SP, offs_m, rmask, Tq, HAS_SPANS, HAS_SINKS)
             rows = bh * Tq + offs_m
             q = tl.load(
                 _rows_at(Qb, start_m, sqt, BM) + offs_d[None, :],
@@ -575,8 +707,8 @@ def bwd_dkdv_kernel(
             fn = tl.where(n > MIN_KEYS, f / tl.maximum(n, 1.0), 0.0)
             s, vis = _scores(
                 q, k, cq, ik, offs_m, offs_n, _at(Mb, start_m, pid_n * BN, smq, smk),
-                smq, smk, Tq, Tk, off,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST,
+                smq, smk, Tq, Tk, off, lo, hi, slo, shi,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
             )  # fmt: skip
             a, sig = _softplus_sigmoid(s)
             dp = _dot(go, tl.trans(v), IEEE, UPCAST)
@@ -606,7 +738,10 @@ INTERPRETED = not isinstance(fwd_kernel, triton.runtime.JITFunction)
 
 # ----------------------------------------------------------------------------- autotuning
 
-_TUNE_KEY = ["tq_key", "tk_key", "BD", "BDV", "CAUSAL", "HAS_MASK", "REWEIGHT", "P_INT", "SPLIT"]
+_TUNE_KEY = [
+    "tq_key", "tk_key", "BD", "BDV", "CAUSAL", "HAS_MASK", "REWEIGHT", "P_INT", "SPLIT",
+    "HAS_SPANS", "HAS_SINKS",
+]  # fmt: skip
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -676,15 +811,28 @@ MEASURED_SPILLS = {
     ("dkdv", 256, False, 32, 32, 8, 2),
     ("dkdv", 256, False, 16, 16, 4, 2),
 }
+# Tiles that spilled only with key spans (HAS_SPANS: the rows' bounds and the data-dependent loop
+# bounds hold a few more registers), measured on the spans cases lssar d64/d128/d256 bf16, lssar
+# d128 fp32 (window + sinks), lssa d128 bf16 (window + sinks), lssar d128 bf16 (window), sm_80
+# and sm_90 (4 to 124 B). Not listed: fp32 rows d128 16x16 w4 s2 (8 B on sm_80 with sinks), the
+# only tile the FMA rule keeps there.
+MEASURED_SPAN_SPILLS = {
+    ("fwd", 128, False, 64, 64, 8, 2),
+    ("dq", 64, False, 64, 32, 4, 2),
+    ("rows", 256, False, 16, 64, 4, 2),
+    ("dkdv", 128, False, 16, 16, 8, 1),
+    ("dkdv", 256, False, 16, 16, 8, 1),
+}
 
 
-def fits(kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool) -> bool:
+def fits(kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bool = False) -> bool:
     """Whether ``cfg`` is expected to run without register spills within shared memory for a
     ``kind`` kernel ("fwd", "rows", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
-    fp32 inputs (4-byte tiles, FMA dots)."""
+    fp32 inputs (4-byte tiles, FMA dots); ``spans``: launched with key spans (``HAS_SPANS``)."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
-    if (kind, max(bd, bdv), ieee, bm, bn, w, st) in MEASURED_SPILLS:
+    key = (kind, max(bd, bdv), ieee, bm, bn, w, st)
+    if key in MEASURED_SPILLS or (spans and key in MEASURED_SPAN_SPILLS):
         return False
     if _shared_bytes(kind, bm, bn, st, bd, bdv, 4 if ieee else 2) > SHARED_BUDGET:
         return False
@@ -702,7 +850,8 @@ def _pruner(kind: str):
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list:
         bd, bdv, ieee = kwargs["BD"], kwargs["BDV"], kwargs["IEEE"]
-        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee)]
+        spans = bool(kwargs.get("HAS_SPANS", False))
+        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans)]
         if kind != "dkdv":
             tq = named_args.get("tq_key", kwargs.get("tq_key", 1 << 30))
             short = [c for c in kept if c.kwargs["BM"] <= max(16, tq)]
