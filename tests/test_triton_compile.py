@@ -128,20 +128,20 @@ def test_problems_flags_errors_and_shared_memory():
 @pytest.mark.parametrize("ieee", [False, True])
 @pytest.mark.parametrize("bd", [16, 32, 64, 128, 256])
 def test_pruning_keeps_a_config_and_drops_measured_spills(bd, ieee):
-    from lssar.ops.triton import kernels as K
+    from lssar.ops.triton import autotune as A
 
-    lists = {"fwd": K._ROW_CONFIGS, "rows": K._ROW_CONFIGS, "dq": K._ROW_CONFIGS}
-    lists["dkdv"] = K._COL_CONFIGS
+    lists = {"fwd": A._ROW_CONFIGS, "rows": A._ROW_CONFIGS, "dq": A._ROW_CONFIGS}
+    lists["dkdv"] = A._COL_CONFIGS
     for kind, configs in lists.items():
         for tq, spans in ((1, False), (1024, False), (1024, True)):
-            prune = K._pruner(kind)
+            prune = A._pruner(kind)
             kept = prune(configs, {"tq_key": tq}, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
             assert kept, (kind, bd, ieee)
             for c in kept:
                 key = (kind, bd, ieee, c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages)
-                assert key not in K.MEASURED_SPILLS, key
-                assert not spans or key not in K.MEASURED_SPAN_SPILLS, key
-                assert K.fits(kind, c, bd, bd, ieee, spans), key
+                assert key not in A.MEASURED_SPILLS, key
+                assert not spans or key not in A.MEASURED_SPAN_SPILLS, key
+                assert A.fits(kind, c, bd, bd, ieee, spans), key
                 if kind != "dkdv" and tq == 1:
                     assert c.kwargs["BM"] == 16  # decoding: no taller row tiles to tune
 

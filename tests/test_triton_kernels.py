@@ -24,7 +24,11 @@ from lssar.ops.reference import reference_attention  # noqa: E402
 from lssar.ops.variants import VARIANTS  # noqa: E402
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from lssar.ops.triton import host as tk  # noqa: E402
+from lssar.ops.triton.kernels import _softplus_sigmoid  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not tk._interpreting():
@@ -100,6 +104,33 @@ CASES = [("lssa", None), ("lssar", 15.0), ("lssar", 3.0), ("lssar", 1.0), ("lssa
 def test_matches_reference_fp32(t, d, name, p, causal):
     q, k, v = _inputs(2, 2, 2, t, t, d, torch.float32, seed=t + d)
     _check(name, p, q, k, v, causal=causal)
+
+
+@triton.jit
+def _softplus_probe(S, SP, SG, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    sp, sg = _softplus_sigmoid(tl.load(S + offs))
+    tl.store(SP + offs, sp)
+    tl.store(SG + offs, sg)
+
+
+def test_softplus_device_function_accuracy():
+    # The kernels' softplus (exp2 and a degree-8 polynomial log1p) and sigmoid, element-wise
+    # against float64: within a few ulp plus the rounding of the exp2 argument -|s| log2 e (up to
+    # ~2 |s| 2^-24 relative in u: as on the device, where tl.exp also multiplies by log2 e first),
+    # over the scores lssa/lssar reach (|s| <= ln d ln N) and beyond, tiny |s| included.
+    mag = torch.cat(
+        [torch.linspace(0, 86, 8000, dtype=torch.float64), 10.0 ** torch.linspace(-8, 1, 192)]
+    )
+    s = torch.cat([mag, -mag]).float().to(DEVICE)
+    sp, sg = torch.empty_like(s), torch.empty_like(s)
+    _softplus_probe[(s.numel() // 128,)](s, sp, sg, BLOCK=128)
+    s64 = s.double().cpu()
+    u = 2.0**-24
+    for got, want in ((sp, torch.nn.functional.softplus(s64)), (sg, torch.sigmoid(s64))):
+        rel = (got.double().cpu() - want).abs() / want
+        bad = rel > (6 + 2 * s64.abs()) * u
+        assert not bad.any(), (s64[bad][:5].tolist(), (rel[bad][:5] / u).tolist())
 
 
 @pytest.mark.parametrize("scale", [None, 2.0])

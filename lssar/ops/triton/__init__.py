@@ -1,6 +1,7 @@
 """``impl="triton"``: fused Triton kernels for the softplus-l1 family.
 
-:mod:`lssar.ops.triton.kernels` is the device code (jitted kernels, autotuning configurations),
+:mod:`lssar.ops.triton.kernels` is the device code (jitted kernels and their device functions),
+:mod:`lssar.ops.triton.autotune` their autotuning (configurations, pruning, autotuned launchers),
 :mod:`lssar.ops.triton.host` the host code (launches, custom ops, :func:`triton_attention`).
 Nothing is imported here, so the registry can list the implementation without importing triton.
 """

@@ -49,6 +49,7 @@ import torch
 import triton
 
 from lssar.ops.spans import key_spans
+from lssar.ops.triton import autotune as A
 from lssar.ops.triton import host
 from lssar.ops.triton import kernels as K
 from lssar.ops.triton.sass import loop_counts, opcode_counts, sass
@@ -243,12 +244,12 @@ def specialise(kernel, args: tuple, kwargs: dict, arch: int) -> tuple[dict, dict
 
 
 def _risk(ln: Launch, cfg: triton.Config) -> tuple[float, int]:
-    if ln.name not in K.REG_BUDGET:  # a kernel the estimates do not know: every config is risky
+    if ln.name not in A.REG_BUDGET:  # a kernel the estimates do not know: every config is risky
         return float("inf"), 0
     bm, bn, bd, bdv = cfg.kwargs["BM"], cfg.kwargs["BN"], ln.kwargs["BD"], ln.kwargs["BDV"]
     esize = 4 if ln.kwargs["IEEE"] else 2
-    words = K._live_words(ln.name, bm, bn, cfg.num_warps, bd, bdv)
-    return words, K._shared_bytes(ln.name, bm, bn, cfg.num_stages, bd, bdv, esize)
+    words = A._live_words(ln.name, bm, bn, cfg.num_warps, bd, bdv)
+    return words, A._shared_bytes(ln.name, bm, bn, cfg.num_stages, bd, bdv, esize)
 
 
 def _cache_key(kernel, signature, constexprs, attrs, options, arch) -> str:
@@ -266,7 +267,7 @@ def builds(
     """Every (launch of every case) x (every config of its autotuner) x arch; ``kept_only``: only
     the configs the autotuner's pruning keeps for that launch (the ones a GPU may run);
     ``riskiest > 0``: only that many kept configs per launch, those closest to spilling by the
-    kernels' own estimate (:func:`lssar.ops.triton.kernels.fits`'s live words, then shared
+    kernels' own estimate (:func:`lssar.ops.triton.autotune.fits`'s live words, then shared
     memory): a quick check of the pruning's edge; the full grid checks every config."""
     out = []
     for case in cases:

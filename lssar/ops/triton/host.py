@@ -1,7 +1,8 @@
 """Host code of ``impl="triton"``: N_i and norms, launches, custom ops, the public function.
 
-The kernels are :mod:`lssar.ops.triton.kernels`. Conventions (shared with every implementation,
-see :mod:`lssar.ops.common`): layout ``[B, H, T, D]``; GQA with head ``h`` reading kv head
+The kernels are :mod:`lssar.ops.triton.kernels`, their autotuning :mod:`lssar.ops.triton.autotune`.
+Conventions (shared with every implementation, see :mod:`lssar.ops.common`): layout
+``[B, H, T, D]``; GQA with head ``h`` reading kv head
 ``h // (H_q / H_kv)``; bottom-right causal alignment (query ``t`` sits at absolute position
 ``T_k - T_q + t``); boolean ``attn_mask`` broadcastable to ``[B, H_q, T_q, T_k]``, combinable with
 ``is_causal``; ``N_i`` = visible keys (:func:`lssar.ops.common.visible_counts`, a
@@ -44,6 +45,7 @@ from torch import Tensor
 
 from lssar.ops.common import NORM_EPS, as_4d, inv_norm, uniform_tolerance, visible_counts
 from lssar.ops.spans import KeySpans, span_counts
+from lssar.ops.triton import autotune as A
 from lssar.ops.triton import kernels as K
 from lssar.ops.variants import Variant
 
@@ -219,7 +221,7 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=
     L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, spans)
     _launch(
         K.fwd_kernel,
-        K.fwd_tuned,
+        A.fwd_tuned,
         t_q,
         B * H,
         q, k, v, out, stats, L.iq, L.ik, L.m, L.sp,
@@ -250,7 +252,7 @@ def _backward(
     common = (*L.scalars, *L.keys)
     _launch(
         K.bwd_rows_kernel,
-        K.rows_tuned,
+        A.rows_tuned,
         t_q,
         B * H,
         q, k, v, out, grad, stats, df, L.iq, L.ik, L.m, L.sp,
@@ -260,7 +262,7 @@ def _backward(
     )  # fmt: skip
     _launch(
         K.bwd_dq_kernel,
-        K.dq_tuned,
+        A.dq_tuned,
         t_q,
         B * H,
         q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, dq,
@@ -270,7 +272,7 @@ def _backward(
     )  # fmt: skip
     _launch(
         K.bwd_dkdv_kernel,
-        K.dkdv_tuned,
+        A.dkdv_tuned,
         t_k,
         B * hk,
         q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, key_rows, dk, dvv,

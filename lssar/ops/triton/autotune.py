@@ -1,0 +1,181 @@
+"""Autotuning of the kernels in :mod:`lssar.ops.triton.kernels`: their configurations, the pruning
+that keeps only configs expected to run without register spills within shared memory (:func:`fits`,
+``MEASURED_SPILLS``, ``MEASURED_SPAN_SPILLS``), the autotuning key and the autotuned launchers
+(``fwd_tuned``, ``rows_tuned``, ``dq_tuned``, ``dkdv_tuned``) that :mod:`lssar.ops.triton.host`
+launches. Host code only: no device code here (so editing it leaves the compile check's cache,
+keyed by the kernels' source, valid).
+"""
+
+from typing import Any
+
+import triton
+
+from lssar.ops.triton.kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_rows_kernel, fwd_kernel
+
+_TUNE_KEY = [
+    "tq_key", "tk_key", "BD", "BDV", "CAUSAL", "HAS_MASK", "REWEIGHT", "P_INT", "SPLIT",
+    "HAS_SPANS", "HAS_SINKS",
+]  # fmt: skip
+
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+# Every config is checked ahead of time by ``python -m lssar.ops.triton.compile_check`` (sm_80 and
+# sm_90: registers, spills, shared memory; tests/test_triton_compile.py); the limits below are
+# set from its measurements, a little inside the first spilling tile of each kernel.
+SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the supported GPUs
+# Live fp32 words per thread (_live_words) above which ptxas spilled, per kernel. Examples:
+# forward at head dim 128: 64x32 tile, 4 warps: 64 + 3 * 16 = 112 words, spills; 64x64, 8 warps:
+# 80, does not; dk/dv at 256, 64x32, 8 warps: 152, spills; at 128, 32x32, 4 warps: 120, does
+# not. Tiles within the limits that spilled anyway are listed in MEASURED_SPILLS.
+REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
+# fp32 inputs multiply on FMA units (IEEE, no tensor cores): each thread then holds a slice of
+# both operands, which spills at any tile above a few score elements per thread (measured: 2 fit
+# at head dim 256; 4 spill there with a mask, and by 4 B at 128). dk/dv's transposed FMA products
+# spill at every tile when software pipelined (num_stages > 1), even 16x16; unpipelined, one
+# score per thread fits at 256.
+FMA_SCORES_PER_THREAD = {"fwd": 2, "rows": 2, "dq": 2, "dkdv": 1}
+
+
+def _live_words(kind: str, bm: int, bn: int, warps: int, bd: int, bdv: int) -> float:
+    """Estimated live fp32 words per thread in a kernel's loop: its fp32 accumulators and ~3
+    score-shaped fp32 tiles (scores, weights, dP / dS); dk/dv also reloads q and dO tiles (two
+    half-precision values per word) every iteration."""
+    threads = 32 * warps
+    acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * (bd + bdv)}[kind]
+    reloaded = bm * (bd + bdv) / 2 if kind == "dkdv" else 0
+    return (acc + reloaded + 3 * bm * bn) / threads
+
+
+def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, esize: int) -> int:
+    """Estimated shared memory per block: the pipelined tiles of the loop (``stages`` copies of
+    k, v; or q, dO for dk/dv) and the resident ones (what sm_90's wgmma reads from shared)."""
+    if kind == "dkdv":
+        return (stages * bm + bn) * (bd + bdv) * esize
+    resident = bm * bd if kind == "fwd" else bm * (bd + bdv)
+    return (stages * bn * (bd + bdv) + resident) * esize
+
+
+# Tiles inside those limits that ptxas still spilled (a few bytes to a few hundred; it sometimes
+# caps a 256-thread block at 128 registers), per (kernel, padded head dim, fp32 inputs, BM, BN,
+# num_warps, num_stages), measured by compile_check on sm_80 and sm_90 (LSSAR p=15 and LSSA,
+# causal or not, with and without a mask): the kernels sit near 255 registers at most tiles.
+MEASURED_SPILLS = {
+    ("fwd", 64, False, 64, 32, 4, 2),
+    ("fwd", 128, False, 64, 64, 8, 3),
+    ("fwd", 128, False, 16, 64, 4, 2),
+    ("fwd", 256, False, 16, 64, 4, 2),
+    ("fwd", 256, False, 16, 32, 4, 2),
+    ("rows", 128, False, 128, 32, 8, 2),
+    ("rows", 128, False, 64, 64, 8, 3),
+    ("rows", 128, False, 64, 64, 8, 2),
+    ("rows", 128, False, 64, 32, 8, 2),
+    ("dq", 64, False, 64, 64, 8, 3),
+    ("dq", 64, False, 64, 64, 8, 2),
+    ("dq", 128, False, 64, 64, 8, 3),
+    ("dq", 128, False, 64, 64, 8, 2),
+    ("dq", 256, False, 16, 64, 4, 2),
+    ("dkdv", 64, False, 32, 64, 8, 2),
+    ("dkdv", 64, False, 64, 32, 4, 2),
+    ("dkdv", 64, False, 64, 32, 8, 2),
+    ("dkdv", 128, False, 64, 32, 8, 2),
+    ("dkdv", 128, False, 32, 32, 8, 2),
+    ("dkdv", 256, False, 32, 32, 8, 2),
+    ("dkdv", 256, False, 16, 16, 4, 2),
+}
+# Tiles that spilled only with key spans (HAS_SPANS: the rows' bounds and the data-dependent loop
+# bounds hold a few more registers), measured on the spans cases lssar d64/d128/d256 bf16, lssar
+# d128 fp32 (window + sinks), lssa d128 bf16 (window + sinks), lssar d128 bf16 (window), sm_80
+# and sm_90 (4 to 124 B). Not listed: fp32 rows d128 16x16 w4 s2 (8 B on sm_80 with sinks), the
+# only tile the FMA rule keeps there.
+MEASURED_SPAN_SPILLS = {
+    ("fwd", 128, False, 64, 64, 8, 2),
+    ("dq", 64, False, 64, 32, 4, 2),
+    ("rows", 256, False, 16, 64, 4, 2),
+    ("dkdv", 128, False, 16, 16, 8, 1),
+    ("dkdv", 256, False, 16, 16, 8, 1),
+}
+
+
+def fits(kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bool = False) -> bool:
+    """Whether ``cfg`` is expected to run without register spills within shared memory for a
+    ``kind`` kernel ("fwd", "rows", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
+    fp32 inputs (4-byte tiles, FMA dots); ``spans``: launched with key spans (``HAS_SPANS``)."""
+    bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
+    w, st = cfg.num_warps, cfg.num_stages
+    key = (kind, max(bd, bdv), ieee, bm, bn, w, st)
+    if key in MEASURED_SPILLS or (spans and key in MEASURED_SPAN_SPILLS):
+        return False
+    if _shared_bytes(kind, bm, bn, st, bd, bdv, 4 if ieee else 2) > SHARED_BUDGET:
+        return False
+    if ieee:
+        piped_ok = kind != "dkdv" or st == 1
+        return piped_ok and bm * bn <= FMA_SCORES_PER_THREAD[kind] * 32 * w
+    return _live_words(kind, bm, bn, w, bd, bdv) <= REG_BUDGET[kind]
+
+
+def _pruner(kind: str):
+    """The autotuner's ``early_config_prune`` for a ``kind`` kernel: drops configs that would
+    spill or not fit (:func:`fits`), and row tiles taller than the query block (decoding,
+    ``T_q = 1``: saves tuning time). Never returns an empty list: if nothing fits, the config
+    with the fewest estimated live words."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list:
+        bd, bdv, ieee = kwargs["BD"], kwargs["BDV"], kwargs["IEEE"]
+        spans = bool(kwargs.get("HAS_SPANS", False))
+        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans)]
+        if kind != "dkdv":
+            tq = named_args.get("tq_key", kwargs.get("tq_key", 1 << 30))
+            short = [c for c in kept if c.kwargs["BM"] <= max(16, tq)]
+            kept = short or kept[-1:]
+        if not kept:
+            kw = lambda c: _live_words(kind, c.kwargs["BM"], c.kwargs["BN"], c.num_warps, bd, bdv)  # noqa: E731
+            kept = [min(configs, key=kw)]
+        return kept
+
+    return prune
+
+
+# Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
+# Large tiles first (the autotuner weighs those that fit at the launch's head dim and dtype),
+# then the small ones that fit at head dim 256 and with fp32 inputs. On sm_90 a 64-row tile with
+# 8 warps computes its element-wise work twice (both warpgroups hold the whole tile: twice the
+# MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4 warps come first.
+_ROW_CONFIGS = _configs(
+    [
+        (128, 32, 8, 2),
+        (64, 32, 4, 2),
+        (64, 64, 8, 3),
+        (64, 64, 8, 2),
+        (64, 32, 8, 2),
+        (16, 64, 4, 2),
+        (16, 32, 4, 2),
+        (16, 16, 4, 2),
+    ]
+)
+_COL_CONFIGS = _configs(
+    [
+        (32, 64, 8, 2),
+        (64, 32, 8, 2),
+        (32, 32, 4, 2),
+        (64, 32, 4, 2),
+        (32, 32, 8, 2),
+        (16, 32, 8, 2),
+        (16, 32, 4, 2),
+        (16, 16, 4, 2),
+        (16, 16, 8, 1),
+    ]
+)
+
+
+def _tuned(kernel, configs: list[triton.Config], kind: str):
+    prune = {"early_config_prune": _pruner(kind)}
+    return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by=prune)(kernel)
+
+
+fwd_tuned = _tuned(fwd_kernel, _ROW_CONFIGS, "fwd")
+rows_tuned = _tuned(bwd_rows_kernel, _ROW_CONFIGS, "rows")
+dq_tuned = _tuned(bwd_dq_kernel, _ROW_CONFIGS, "dq")
+dkdv_tuned = _tuned(bwd_dkdv_kernel, _COL_CONFIGS, "dkdv")
