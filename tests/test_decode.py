@@ -162,6 +162,36 @@ def test_auto_decode_picks_an_implementation_that_runs_the_variant():
 # ---------------------------------------------------------------------------- the GPT's cache
 
 
+def test_kv_cache_appends_in_place_and_equals_concatenation():
+    cache = KVCache(2)
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(2, 3, t, 4, generator=g) for t in (5, 1, 1, 3, 1)]
+    seen = []
+    for x in parts:
+        k, v = cache.update(1, x, -x)
+        cache.update(0, x, x)
+        seen.append(k)
+        assert torch.equal(k, torch.cat(parts[: len(seen)], 2)) and torch.equal(v, -k)
+    assert cache.length == 11 and cache.k[1].shape == (2, 3, 11, 4)
+    # views returned earlier still show their own prefix after later appends and regrowth
+    for i, k in enumerate(seen):
+        assert torch.equal(k, torch.cat(parts[: i + 1], 2))
+    # the buffer grows by doubling: 5 -> 10 -> 20 slots, not one reallocation per token
+    assert cache._k[1].shape[2] == 20
+
+
+def test_kv_cache_under_autograd_concatenates():
+    """An in-place append would invalidate the cached views a backward pass saved."""
+    cache = KVCache(1)
+    x = torch.randn(1, 1, 3, 2, requires_grad=True)
+    y = torch.randn(1, 1, 1, 2, requires_grad=True)
+    k1, _ = cache.update(0, x, x)
+    loss = (k1 * 2).sum()
+    k2, _ = cache.update(0, y, y)
+    (loss + k2.pow(2).sum()).backward()
+    assert torch.equal(x.grad, 2 + 2 * x.detach()) and torch.equal(y.grad, 2 * y.detach())
+
+
 def _gpt(attn: str, impl: str, **kw) -> GPT:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=64, attn=attn, attn_impl=impl, **kw)
