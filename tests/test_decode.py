@@ -86,7 +86,8 @@ def _grad(tq: int) -> torch.Tensor:
 
 def _decode(impl, name, opts, tq, tk, pad, dtype, backward):
     q, k, v = _inputs(tk)
-    q, k, v = (t.to(dtype).requires_grad_(backward) for t in (q[..., -tq:, :], k, v))
+    # detached first: .to() of the same dtype is the cached tensor itself
+    q, k, v = (t.detach().to(dtype).requires_grad_(backward) for t in (q[..., -tq:, :], k, v))
     kw = dict(is_causal=True, variant=name, impl=impl, **opts)
     with torch.set_grad_enabled(backward):
         out = lssar.attention(q, k, v, _mask(tk, pad), **kw)
