@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import sys
 import time
@@ -146,7 +147,8 @@ def step_fn(variant: str, impl: str, q, k, v, mask) -> Callable[[], torch.Tensor
 
 def run_steps(cases, t_q: int, t_k: int, dtype: torch.dtype, args) -> dict[str, dict]:
     """Every case at one (T_q, T_k): two warm-up calls each (compiles), then ``repeats`` rounds
-    in which every case runs once; the median per case and the peak memory of one more call."""
+    in which every case runs once, in a shuffled order; the median per case and the peak memory
+    of one more call."""
     g = torch.Generator().manual_seed(0)
     b, h, d = args.batch, args.heads, args.head_dim
     q = torch.randn(b, h, t_q, d, generator=g).to(args.device, dtype)
@@ -162,9 +164,13 @@ def run_steps(cases, t_q: int, t_k: int, dtype: torch.dtype, args) -> dict[str, 
         for fn in fns.values():
             fn()
             fn()
-        for _ in range(args.repeats):
-            for label, fn in fns.items():
-                times[label].append(timed(fn, args.device))
+        order = list(fns)
+        for r in range(args.repeats):
+            # a new order each round: a case that follows a memory-hungry one finds the heap
+            # returned to the OS and pays its page faults again (on a VM, more than its work)
+            random.Random(r).shuffle(order)
+            for label in order:
+                times[label].append(timed(fns[label], args.device))
         return {
             label: {
                 "ms": 1e3 * statistics.median(times[label]),
@@ -344,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Decode: B={args.batch} H={args.heads} D={args.head_dim}, causal (bottom-right), "
         f"{'key-padding mask (first T_k/8 keys masked), ' if args.padding else ''}"
         f"no autograd, device {args.device}. ms / step = median of {args.repeats} rounds, every "
-        "case once per round; x SDPA = time / SDPA softmax time in the same run; MiB = peak "
-        "extra memory of one step; runs = the implementation that ran. generate(): greedy, "
+        "case once per round in a shuffled order; x SDPA = time / SDPA softmax time in the same "
+        "run; MiB = peak extra memory of one step; runs = the implementation that ran. "
+        "generate(): greedy, "
         f"{args.new_tokens} new tokens, preset {args.preset} (random init; the Llama of the same "
         f"shape with {args.kv_heads} KV heads), median of {args.gen_repeats} rounds; "
         "decode = generate() time minus the prefill's. " + gpu + "\n\nMachine: " + machine()
