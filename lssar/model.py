@@ -490,7 +490,7 @@ class GPT(nn.Module):
         cache = KVCache(self.cfg.n_layer)
         logits, _ = self(idx, cache=cache)
         out = [idx]
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             last = logits[:, -1, :].float()
             if temperature <= 0:
                 nxt = last.argmax(-1, keepdim=True)
@@ -501,5 +501,6 @@ class GPT(nn.Module):
                     last = last.masked_fill(last < kth, float("-inf"))
                 nxt = torch.multinomial(last.softmax(-1), 1, generator=generator)
             out.append(nxt)
-            logits, _ = self(nxt, cache=cache)
+            if i + 1 < max_new_tokens:  # the last token's successor is never sampled
+                logits, _ = self(nxt, cache=cache)
         return torch.cat(out, dim=1)

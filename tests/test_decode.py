@@ -225,3 +225,17 @@ def test_generate_equals_recomputing_the_full_sequence(attn, impl, kw):
     cached = torch.stack(steps, 1)  # (B, 8, V): the predictions after tokens 129 .. 136
     want = full[:, 129:-1]
     assert torch.allclose(cached, want, atol=2e-5, rtol=1e-4), err(cached, want)
+
+
+def test_generate_runs_one_forward_per_sampled_token():
+    """The prompt's forward gives the first token, one forward per further token: the last
+    token's successor is never computed."""
+    model = _gpt("lssar", "auto")
+    calls = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(args[0].shape[1]), with_kwargs=True
+    )
+    out = model.generate(torch.randint(0, 64, (1, 5)), 4, temperature=0.0)
+    assert out.shape == (1, 9) and calls == [5, 1, 1, 1]
+    calls.clear()
+    assert model.generate(torch.randint(0, 64, (1, 5)), 0).shape == (1, 5) and calls == [5]
