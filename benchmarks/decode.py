@@ -11,8 +11,9 @@ beforehand: what a step costs without re-normalising the whole cache in every ca
 Table 2 (``generate()``): the project's GPT (a preset's shape, random init) with softmax, lssa
 and lssar p=15, and an HF Llama (a ``LlamaConfig`` of the same shape, random init, no download)
 with its eager and SDPA attention and with lssa / lssar through :mod:`lssar.integrations.hf`.
-Greedy decoding of ``--new-tokens`` after a random prompt; tokens/s of the decode steps alone
-(the prefill, timed separately in the same rounds, is subtracted).
+Greedy decoding of ``--new-tokens`` after a random prompt; a forward hook timestamps each of
+``generate()``'s model calls, so prefill (the prompt's forward, the first token) and decode (the
+rest, per token, sampling included) come from the same call.
 
     python benchmarks/decode.py                         # T_k = 1K..64K, T_q = 1 and 8, fp32
     python benchmarks/decode.py --quick                 # tiny (tests/test_benchmarks.py)
@@ -43,7 +44,7 @@ import torch
 from attention import machine, peak_mib  # benchmarks/ is on sys.path when run as a script
 
 import lssar
-from lssar.model import GPT, KVCache
+from lssar.model import GPT
 from lssar.ops import registry
 from lssar.ops.common import unit
 from lssar.train.config import load_config, model_config
@@ -231,29 +232,47 @@ def _llama(preset: str, attn: str, max_len: int, device: str, kv_heads: int):
     return AutoModelForCausalLM.from_config(llama, attn_implementation=attn).to(device).eval()
 
 
-def _gpt_fns(model: GPT, ids: torch.Tensor, n: int) -> tuple[Callable, Callable]:
-    def prefill():
-        model(ids, cache=KVCache(model.cfg.n_layer))
+def _stamped(model) -> list[float]:
+    """Timestamps of ``model``'s forward calls (a pre-hook): ``generate()`` calls it once for
+    the prompt, then once per further token."""
+    stamps: list[float] = []
+    model.register_forward_pre_hook(lambda *_: stamps.append(time.perf_counter()))
+    return stamps
 
-    return prefill, lambda: model.generate(ids, n, temperature=0.0)
+
+def _gpt_gen(model: GPT, ids: torch.Tensor, n: int) -> Callable[[], object]:
+    return lambda: model.generate(ids, n, temperature=0.0)
 
 
-def _hf_fns(model, ids: torch.Tensor, n: int) -> tuple[Callable, Callable]:
-    def prefill():
-        model(ids, use_cache=True)
+def _hf_gen(model, ids: torch.Tensor, n: int) -> Callable[[], object]:
+    return lambda: model.generate(
+        ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+    )
 
-    def gen():
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    return prefill, gen
+def timed_generate(gen: Callable[[], object], stamps: list[float], device: str):
+    """``(prefill s, decode s per token)`` of one ``generate()`` call: prefill = from the call to
+    its second forward (the prompt's forward and the first token); decode = the rest, per
+    forward after the first (each samples one token)."""
+    stamps.clear()
+    _sync(device)
+    t0 = time.perf_counter()
+    gen()
+    _sync(device)
+    end = time.perf_counter()
+    if len(stamps) < 2:
+        raise ValueError("generate() made fewer than 2 forward calls: ask for >= 2 new tokens")
+    return stamps[1] - t0, (end - stamps[1]) / (len(stamps) - 1)
 
 
 def generate_table(args) -> list[str]:
-    """Decode tokens/s of greedy ``generate()``, GPT and HF Llama arms, interleaved by round."""
-    arms = {}  # (model, attention) -> (the model, its (prefill, generate) maker)
+    """Prefill time and decode time per token of greedy ``generate()``, GPT and HF Llama arms,
+    interleaved round by round (in a shuffled order)."""
+    arms = {}  # (model, attention) -> (the model, its generate() maker, its forward stamps)
     for label, attn, impl in GPT_ARMS:
         if impl == "auto" or impl in registry.IMPLS:
-            arms["GPT", label] = (_gpt(args.preset, attn, impl, args.device), _gpt_fns)
+            model = _gpt(args.preset, attn, impl, args.device)
+            arms["GPT", label] = (model, _gpt_gen, _stamped(model))
     note = ""
     try:
         import transformers
@@ -268,34 +287,35 @@ def generate_table(args) -> list[str]:
         longest = max(args.prompts) + args.new_tokens + 1
         for label, attn in HF_ARMS:
             model = _llama(args.preset, attn, longest, args.device, args.kv_heads)
-            arms["HF Llama", label] = (model, _hf_fns)
+            arms["HF Llama", label] = (model, _hf_gen, _stamped(model))
     rows = [
         "| model | attention | prompt | prefill ms | decode ms / token | decode tokens/s | "
         "x softmax (sdpa) |",
         "|---|---|---|---|---|---|---|",
     ]
     print(note + "\n" + "\n".join(rows), flush=True)
-    n = args.new_tokens
     for prompt in args.prompts:
         ids = torch.randint(1, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
-        fns = {arm: make(model, ids.to(args.device), n) for arm, (model, make) in arms.items()}
-        pre: dict[tuple, list[float]] = {arm: [] for arm in fns}
-        gen: dict[tuple, list[float]] = {arm: [] for arm in fns}
+        ids = ids.to(args.device)
+        gens = {arm: make(model, ids, args.new_tokens) for arm, (model, make, _) in arms.items()}
+        pre: dict[tuple, list[float]] = {arm: [] for arm in gens}
+        dec: dict[tuple, list[float]] = {arm: [] for arm in gens}
+        order = list(gens)
         with torch.no_grad():
-            for prefill, generate in fns.values():
-                prefill()
-                generate()
-            for _ in range(args.gen_repeats):
-                for arm, (prefill, generate) in fns.items():
-                    pre[arm].append(timed(prefill, args.device))
-                    gen[arm].append(timed(generate, args.device))
-        prefill_s = {arm: statistics.median(pre[arm]) for arm in fns}
-        token_s = {arm: max(statistics.median(gen[arm]) - prefill_s[arm], 1e-9) / n for arm in fns}
+            for gen in gens.values():
+                gen()
+            for r in range(args.gen_repeats):
+                random.Random(r).shuffle(order)
+                for arm in order:
+                    p, d = timed_generate(gens[arm], arms[arm][2], args.device)
+                    pre[arm].append(p)
+                    dec[arm].append(d)
+        token_s = {arm: statistics.median(dec[arm]) for arm in gens}
         for (model, label), tok in token_s.items():
             base = token_s[("GPT", GPT_ARMS[0][0]) if model == "GPT" else ("HF Llama", "sdpa")]
             rows.append(
-                f"| {model} | {label} | {prompt} | {prefill_s[model, label] * 1e3:.1f} | "
-                f"{tok * 1e3:.2f} | {1 / tok:.1f} | {tok / base:.2f} |"
+                f"| {model} | {label} | {prompt} | {statistics.median(pre[model, label]) * 1e3:.1f}"
+                f" | {tok * 1e3:.2f} | {1 / tok:.1f} | {tok / base:.2f} |"
             )
             print(rows[-1], flush=True)
     return rows
@@ -355,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         "generate(): greedy, "
         f"{args.new_tokens} new tokens, preset {args.preset} (random init; the Llama of the same "
         f"shape with {args.kv_heads} KV heads), median of {args.gen_repeats} rounds; "
-        "decode = generate() time minus the prefill's. " + gpu + "\n\nMachine: " + machine()
+        "prefill = the prompt's forward and first token, decode = the rest of the generate() "
+        "call per token (forward hooks). " + gpu + "\n\nMachine: " + machine()
     )
     print(header, flush=True)
     tables = []
