@@ -145,22 +145,58 @@ def visibility(
 
 
 class KVCache:
-    """Per-layer keys/values of the tokens seen so far, ``(B, H_kv, T_seen, D)`` each."""
+    """Per-layer keys/values of the tokens seen so far, ``(B, H_kv, T_seen, D)`` each.
+
+    Held in buffers with room to grow (the capacity doubles when full), so a decode step writes
+    its new keys and values in place instead of copying the whole cache (``torch.cat`` per step
+    moved O(T) memory per token, more than the attention itself reads at long T): appending is
+    amortised O(new tokens), and :meth:`update` returns views of the filled part (not contiguous
+    across heads; every attention implementation takes strided inputs). Under autograd, where
+    an in-place write would invalidate the views a backward pass saved, it concatenates.
+    """
 
     def __init__(self, n_layer: int) -> None:
-        self.k: list[Tensor | None] = [None] * n_layer
-        self.v: list[Tensor | None] = [None] * n_layer
+        self._k: list[Tensor | None] = [None] * n_layer
+        self._v: list[Tensor | None] = [None] * n_layer
+        self._len = [0] * n_layer
 
     @property
     def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
+        return self._len[0]
+
+    @property
+    def k(self) -> list[Tensor | None]:
+        """Each layer's cached keys ``(B, H_kv, T_seen, D)`` (None before the first update)."""
+        return [None if b is None else b[:, :, :n] for b, n in zip(self._k, self._len)]
+
+    @property
+    def v(self) -> list[Tensor | None]:
+        """Each layer's cached values ``(B, H_kv, T_seen, D_v)``."""
+        return [None if b is None else b[:, :, :n] for b, n in zip(self._v, self._len)]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=2)
-            v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
+        """Append ``k (B, H_kv, T, D)``, ``v (B, H_kv, T, D_v)``; return the layer's keys and
+        values so far, ``(B, H_kv, T_seen, D)`` and ``(B, H_kv, T_seen, D_v)``."""
+        n, t = self._len[layer], k.shape[2]
+        old_k, old_v = self._k[layer], self._v[layer]
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            if old_k is not None:
+                k = torch.cat([old_k[:, :, :n], k], dim=2)
+                v = torch.cat([old_v[:, :, :n], v], dim=2)
+            self._k[layer], self._v[layer], self._len[layer] = k, v, k.shape[2]
+            return k, v
+        if old_k is None or n + t > old_k.shape[2]:
+            cap = max(n + t, 2 * n)
+            new_k = k.new_empty(*k.shape[:2], cap, k.shape[3])
+            new_v = v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if old_k is not None:
+                new_k[:, :, :n] = old_k[:, :, :n]
+                new_v[:, :, :n] = old_v[:, :, :n]
+            self._k[layer], self._v[layer] = new_k, new_v
+        self._k[layer][:, :, n : n + t] = k
+        self._v[layer][:, :, n : n + t] = v
+        self._len[layer] = n + t
+        return self._k[layer][:, :, : n + t], self._v[layer][:, :, : n + t]
 
 
 class Attention(nn.Module):
@@ -525,7 +561,7 @@ class GPT(nn.Module):
         cache = KVCache(self.cfg.n_layer)
         logits, _ = self(idx, cache=cache)
         out = [idx]
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             last = logits[:, -1, :].float()
             if temperature <= 0:
                 nxt = last.argmax(-1, keepdim=True)
@@ -536,5 +572,6 @@ class GPT(nn.Module):
                     last = last.masked_fill(last < kth, float("-inf"))
                 nxt = torch.multinomial(last.softmax(-1), 1, generator=generator)
             out.append(nxt)
-            logits, _ = self(nxt, cache=cache)
+            if i + 1 < max_new_tokens:  # the last token's successor is never sampled
+                logits, _ = self(nxt, cache=cache)
         return torch.cat(out, dim=1)

@@ -59,3 +59,30 @@ def test_train_throughput_benchmark_prints_every_arm():
     rows = _table_rows(out)
     assert [r[0] for r in rows] == ["softmax", "lssar:cpu", "lssar:chunked"]
     assert rows[0][4] == "1.00x" and all(float(r[2]) > 0 for r in rows)
+
+
+def test_decode_benchmark_prints_every_case_and_generate_arm():
+    spec = util.spec_from_file_location("bench_decode", ROOT / "benchmarks" / "decode.py")
+    bench = util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports attention.py as a script does
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = _run("decode.py", "--quick", "--threads", "1")
+    rows = _table_rows(out)
+    cases = [c[0] for c in bench.CPU_CASES if c[2] != "flex"]  # --quick leaves flex out
+    steps = [r for r in rows if r[0] == "fp32"]
+    assert [r[3] for r in steps] == cases * 4  # T_q = 1 and 8, as measured and in the table
+    assert {(r[1], r[2]) for r in steps} == {("1", "256"), ("8", "256")}
+    assert all(r[6] == "1.00" for r in steps if r[3] == cases[0])  # SDPA is the baseline
+    assert all(float(r[5]) > 0 for r in steps)
+    auto = next(r for r in steps if r[3] == "lssar p=15 auto")
+    assert auto[4] in ("reference", "cpu", "chunked")  # what auto picked, named
+    gen = [r for r in rows if r[0] in ("GPT", "HF Llama")]
+    arms = [f"GPT {a[0]}" for a in bench.GPT_ARMS]
+    if "HF Llama rows skipped" not in out:  # transformers is optional
+        arms += [f"HF Llama {a[0]}" for a in bench.HF_ARMS]
+    assert [f"{r[0]} {r[1]}" for r in gen] == arms * 2
+    assert all(float(r[5]) > 0 for r in gen)
+    assert "threads 1" in out and "wait for a device" in out

@@ -1,0 +1,241 @@
+"""Decoding with a KV cache: T_q = 1..8 new queries against a cache of T_k keys.
+
+On every implementation the registry lists for a variant, a decode step equals the last T_q rows
+of the full causal call over the T_k tokens (forward, and dq/dk/dv where the impl has a
+backward), with and without a key-padding mask, within the accuracy rule of tests/accuracy.py
+(the full call in float64 on the reference is the ground truth). The caches split the kernels'
+blocks: the Triton interpreter's 16-key tiles (T_k = 40, 300) and the fused CPU kernel's 512-key
+LSSA tiles (T_k = 1100). Then the GPT's KVCache and ``generate()`` against recomputing the whole
+sequence. Elsewhere: ``test_attention.test_kv_cache_alignment`` (reference / auto, float64),
+``test_model`` (incremental logits of every variant in float64), ``test_hf`` (HF caches, padding,
+static caches), ``test_triton_kernels`` / ``test_flex`` (T_q != T_k on their shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import lssar
+from lssar.model import GPT, GPTConfig, KVCache
+from lssar.ops import registry
+from tests.accuracy import assert_within_rule, err, rounding_sensitivity
+
+VARIANTS = [("lssa", {}), ("lssar", {"p": 15.0}), ("softmax", {})]
+B, H, D = 2, 2, 32
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# impls without a backward on CPU: checked forward only
+FORWARD_ONLY = {"flex"}
+# the Triton interpreter and CPU FlexAttention (a compile per shape, ~30 s here) are slow: their
+# default cases are a few below, the whole grid runs under -m slow
+SLOW_IMPLS = {"triton", "flex"}
+
+
+def _steps(caches):
+    return [(tq, tk) for tk in caches for tq in (1, 3, 8) if tq <= tk]
+
+
+def _grid(steps, impls=None, exclude=SLOW_IMPLS):
+    return [
+        pytest.param(impl, name, opts, tq, tk, pad, id=f"{impl}-{name}-tq{tq}-tk{tk}-{pad}")
+        for name, opts in VARIANTS
+        for impl in registry.supporting(name, opts)
+        if (impls is None or impl in impls) and impl not in exclude
+        for tq, tk in steps
+        for pad in ("none", "padding")
+    ]
+
+
+def _mask(tk: int, pad: str) -> torch.Tensor | None:
+    """Key padding ``(B, 1, 1, T_k)``: the second sequence is left-padded by a quarter of the
+    cache (its only key at T_k = 1: rows with no visible key, zeros)."""
+    if pad == "none":
+        return None
+    m = torch.ones(B, 1, 1, tk, dtype=torch.bool)
+    m[1, ..., : max(1, tk // 4)] = False
+    return m
+
+
+@functools.cache
+def _inputs(tk: int):
+    g = torch.Generator().manual_seed(tk)
+    return tuple(torch.randn(B, H, tk, D, generator=g, dtype=torch.float64) for _ in range(3))
+
+
+@functools.cache
+def _golden(name: str, opts: tuple, tq: int, tk: int, pad: str):
+    """The full causal call over all T_k tokens in float64 on the reference: its last T_q rows,
+    and dq (last rows), dk, dv for an output gradient on those rows only."""
+    q, k, v = (t.clone().requires_grad_() for t in _inputs(tk))
+    out = lssar.attention(
+        q, k, v, _mask(tk, pad), is_causal=True, variant=name, impl="reference", **dict(opts)
+    )
+    grad = torch.zeros_like(out)
+    grad[..., -tq:, :] = _grad(tq)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    return [out[..., -tq:, :].detach(), dq[..., -tq:, :], dk, dv]
+
+
+@functools.cache
+def _grad(tq: int) -> torch.Tensor:
+    return torch.randn(B, H, tq, D, generator=torch.Generator().manual_seed(100 + tq)).double()
+
+
+def _decode(impl, name, opts, tq, tk, pad, dtype, backward):
+    q, k, v = _inputs(tk)
+    # detached first: .to() of the same dtype is the cached tensor itself
+    q, k, v = (t.detach().to(dtype).requires_grad_(backward) for t in (q[..., -tq:, :], k, v))
+    kw = dict(is_causal=True, variant=name, impl=impl, **opts)
+    with torch.set_grad_enabled(backward):
+        out = lssar.attention(q, k, v, _mask(tk, pad), **kw)
+    if not backward:
+        return [out]
+    return [out, *torch.autograd.grad(out, (q, k, v), _grad(tq).to(dtype))]
+
+
+def _check_step(impl, name, opts, tq, tk, pad):
+    backward = impl not in FORWARD_ONLY
+    golden = _golden(name, tuple(sorted(opts.items())), tq, tk, pad)[: 4 if backward else 1]
+
+    def ref64(q, k, v):
+        kw = dict(is_causal=True, variant=name, impl="reference", **opts)
+        out = lssar.attention(q, k, v, _mask(tk, pad), **kw)
+        return [out, *torch.autograd.grad(out, (q, k, v), _grad(tq))][: len(golden)]
+
+    q, k, v = _inputs(tk)
+    inputs64 = [t.clone().requires_grad_() for t in (q[..., -tq:, :], k, v)]
+    sens = rounding_sensitivity(ref64, inputs64, golden, torch.float32)
+    ref = _decode("reference", name, opts, tq, tk, pad, torch.float32, backward)
+    fast = _decode(impl, name, opts, tq, tk, pad, torch.float32, backward)
+    assert_within_rule(fast, ref, golden, sens)
+    if pad == "padding" and tk == 1:  # the padded sequence's rows see no key: exactly zero
+        assert torch.equal(fast[0][1], torch.zeros_like(fast[0][1]))
+    # in float64 (where triton and flex run chunked) the step is the full call's rows to rounding
+    fast64 = _decode(impl, name, opts, tq, tk, pad, torch.float64, backward)
+    for f, g in zip(fast64, golden):
+        assert err(f, g) < 1e-10 * (g.abs().max().item() + 1.0)
+
+
+@pytest.mark.parametrize("impl,name,opts,tq,tk,pad", _grid(_steps([1, 7, 300])))
+def test_decode_step_equals_last_rows_of_full_call(impl, name, opts, tq, tk, pad):
+    _check_step(impl, name, opts, tq, tk, pad)
+
+
+def test_decode_step_across_key_tiles():
+    """The fused CPU kernel's LSSA forward tiles 512 keys (1100 = 512 + 512 + 76 keys)."""
+    _check_step("cpu", "lssa", {}, 8, 1100, "padding")
+
+
+FAST_TRITON = [
+    pytest.param("triton", "lssar", {"p": 15.0}, 3, 40, "padding", id="triton-lssar-tq3-tk40"),
+    pytest.param("triton", "lssa", {}, 1, 7, "none", id="triton-lssa-tq1-tk7"),
+]
+
+
+@pytest.mark.parametrize("impl,name,opts,tq,tk,pad", FAST_TRITON)
+def test_triton_decode_step(impl, name, opts, tq, tk, pad):
+    if "triton" not in registry.IMPLS:
+        pytest.skip("triton is not installed")
+    _check_step(impl, name, opts, tq, tk, pad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "impl,name,opts,tq,tk,pad", _grid(_steps([1, 7, 300, 1100]), exclude=set())
+)
+def test_decode_step_every_impl_and_cache(impl, name, opts, tq, tk, pad):
+    _check_step(impl, name, opts, tq, tk, pad)
+
+
+def test_auto_decode_picks_an_implementation_that_runs_the_variant():
+    """auto at a decode shape: SDPA for softmax; for lssar the fused kernel once T_q x T_k
+    reaches registry.AUTO_CHUNK_MIN_SCORES, the materialised reference (O(T_k) per row) below."""
+    q = torch.empty(1, 1, 1, 8)
+    short, long = torch.empty(1, 1, 1024, 8), torch.empty(1, 1, registry.AUTO_CHUNK_MIN_SCORES, 8)
+    assert registry.resolve("softmax", "auto", q, long, 0.0, {}).impl == "sdpa"
+    assert registry.resolve("lssar", "auto", q, short, 0.0, {}).impl == "reference"
+    assert registry.resolve("lssar", "auto", q, long, 0.0, {}).impl == "cpu"
+
+
+# ---------------------------------------------------------------------------- the GPT's cache
+
+
+def test_kv_cache_appends_in_place_and_equals_concatenation():
+    cache = KVCache(2)
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(2, 3, t, 4, generator=g) for t in (5, 1, 1, 3, 1)]
+    seen = []
+    for x in parts:
+        k, v = cache.update(1, x, -x)
+        cache.update(0, x, x)
+        seen.append(k)
+        assert torch.equal(k, torch.cat(parts[: len(seen)], 2)) and torch.equal(v, -k)
+    assert cache.length == 11 and cache.k[1].shape == (2, 3, 11, 4)
+    # views returned earlier still show their own prefix after later appends and regrowth
+    for i, k in enumerate(seen):
+        assert torch.equal(k, torch.cat(parts[: i + 1], 2))
+    # the buffer grows by doubling: 5 -> 10 -> 20 slots, not one reallocation per token
+    assert cache._k[1].shape[2] == 20
+
+
+def test_kv_cache_under_autograd_concatenates():
+    """An in-place append would invalidate the cached views a backward pass saved."""
+    cache = KVCache(1)
+    x = torch.randn(1, 1, 3, 2, requires_grad=True)
+    y = torch.randn(1, 1, 1, 2, requires_grad=True)
+    k1, _ = cache.update(0, x, x)
+    loss = (k1 * 2).sum()
+    k2, _ = cache.update(0, y, y)
+    (loss + k2.pow(2).sum()).backward()
+    assert torch.equal(x.grad, 2 + 2 * x.detach()) and torch.equal(y.grad, 2 * y.detach())
+
+
+def _gpt(attn: str, impl: str, **kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=64, attn=attn, attn_impl=impl, **kw)
+    return GPT(cfg).eval()
+
+
+@pytest.mark.parametrize(
+    "attn,impl,kw",
+    [
+        ("softmax", "auto", {}),
+        ("softmax", "sdpa", {"n_kv_head": 2}),
+        ("lssar", "auto", {}),  # prefill on the fused kernel, decode steps on the reference
+        ("lssar", "cpu", {"n_kv_head": 2}),
+        ("lssar", "chunked", {}),
+    ],
+)
+def test_generate_equals_recomputing_the_full_sequence(attn, impl, kw):
+    """float32: the tokens of generate() are the argmax of the full forward over the generated
+    sequence, and the cached step logits equal that forward's."""
+    model = _gpt(attn, impl, **kw)
+    prompt = torch.randint(0, 64, (2, 130), generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt, 8, temperature=0.0)
+    with torch.no_grad():
+        full, _ = model(out)
+        assert torch.equal(out[:, 130:], full[:, 129:-1].argmax(-1))
+        cache = KVCache(2)
+        steps = [model(out[:, :130], cache=cache)[0][:, -1]]
+        for t in range(130, out.shape[1] - 1):
+            steps.append(model(out[:, t : t + 1], cache=cache)[0][:, -1])
+    cached = torch.stack(steps, 1)  # (B, 8, V): the predictions after tokens 129 .. 136
+    want = full[:, 129:-1]
+    assert torch.allclose(cached, want, atol=2e-5, rtol=1e-4), err(cached, want)
+
+
+def test_generate_runs_one_forward_per_sampled_token():
+    """The prompt's forward gives the first token, one forward per further token: the last
+    token's successor is never computed."""
+    model = _gpt("lssar", "auto")
+    calls = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(args[0].shape[1]), with_kwargs=True
+    )
+    out = model.generate(torch.randint(0, 64, (1, 5)), 4, temperature=0.0)
+    assert out.shape == (1, 9) and calls == [5, 1, 1, 1]
+    calls.clear()
+    assert model.generate(torch.randint(0, 64, (1, 5)), 0).shape == (1, 5) and calls == [5]
