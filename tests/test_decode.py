@@ -239,3 +239,41 @@ def test_generate_runs_one_forward_per_sampled_token():
     assert out.shape == (1, 9) and calls == [5, 1, 1, 1]
     calls.clear()
     assert model.generate(torch.randint(0, 64, (1, 5)), 0).shape == (1, 5) and calls == [5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unit_without_a_graph_is_the_same_bits_in_place(dtype):
+    """A decode step normalises the whole key cache: without autograd ``common.unit`` works in
+    place on its one buffer, and must give exactly what the differentiable form gives (zero,
+    tiny, huge and NaN rows included)."""
+    from lssar.ops.common import unit
+
+    x = torch.randn(2, 3, 40, 16, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 3], x[0, 1, 4], x[1, 2, 5], x[1, 1, 6] = 0.0, float("nan"), 1e30, 1e-30
+    x = x.to(dtype)
+    before = x.clone()
+    with torch.no_grad():
+        fast = unit(x)
+    slow = unit(x.clone().requires_grad_()).detach()
+    assert torch.equal(fast.nan_to_num(7.0), slow.nan_to_num(7.0))
+    assert torch.equal(x.nan_to_num(7.0), before.nan_to_num(7.0))  # the input is untouched
+
+
+def test_a_one_row_causal_step_builds_no_mask(monkeypatch):
+    """T_q = 1 bottom-right causal sees every key: the router drops is_causal, so no
+    implementation builds a mask for it, and the result is unchanged."""
+    from lssar.ops import sdpa
+
+    q, k, v = (torch.randn(1, 2, n, 8) for n in (1, 50, 50))
+    seen = []
+    real = sdpa.F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        seen.append(a[3] if len(a) > 3 else kw.get("attn_mask"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    out = lssar.attention(q, k, v, is_causal=True, variant="softmax", impl="sdpa")
+    assert seen == [None]
+    ref = lssar.attention(q, k, v, is_causal=True, variant="softmax", impl="reference")
+    torch.testing.assert_close(out, ref)

@@ -238,6 +238,10 @@ def unit(x: Tensor) -> Tensor:
     y = x / torch.where(finite_nonzero, big, torch.ones_like(big))
     norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
     ok = norm > 0
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        # no graph to keep (inference, a decode step over a whole cache): the same arithmetic in
+        # place on ``y``, bit for bit, without three more cache-sized temporaries
+        return y.div_(torch.where(ok, norm, torch.ones_like(norm))).masked_fill_(~ok, 0.0)
     return torch.where(ok, y / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(y))
 
 

@@ -526,6 +526,8 @@ def _attention(
     attn_mask = as_4d(attn_mask)
     if attn_mask is not None and attn_mask.shape[-1] == 1 and key.shape[-2] > 1:
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], key.shape[-2])  # a view: no memory
+    if is_causal and query.shape[-2] == 1 and spans is None:
+        is_causal = False  # one bottom-right row (a decode step) sees every key: no mask to build
     if key.shape[-2] == 0 or query.shape[-2] == 0:  # N_i = 0 everywhere: zeros, zero gradients
         empty = query[..., :0].sum() + key.sum() + value.sum()  # 0, keeps the graph
         return empty + query.new_zeros(query.shape[:-1] + value.shape[-1:])
