@@ -523,3 +523,23 @@ def test_an_impl_without_spans_names_the_ones_with_them(monkeypatch):
     q, k, v = (t.detach() for t in _inputs(10, 10))
     with pytest.raises(ValueError, match="cannot take cu_seqlens.*reference"):
         lssar.attention(q, k, v, window=(2, 0), impl="chunked")
+
+
+@pytest.mark.skipif("flex" not in registry.IMPLS, reason="no FlexAttention with AuxRequest")
+@pytest.mark.parametrize("variant", [pytest.param("lssa", marks=pytest.mark.slow), "lssar"])
+def test_flex_takes_spans_through_its_block_mask(variant):
+    """impl='flex' (forward only on CPU): documents, a window with sinks, and both, against the
+    float64 reference of the same spans."""
+    cu = _cu([40, 1, 109])
+    q, k, v = (t.detach() for t in _inputs(150, 150))
+    for kw in (
+        dict(cu_seqlens=cu),
+        dict(window=(20, 0), sink_tokens=3),
+        dict(cu_seqlens=cu, window=(10, 5)),
+    ):
+        with torch.no_grad():
+            out = lssar.attention(q, k, v, is_causal=True, variant=variant, impl="flex", **kw)
+        ref = lssar.attention(
+            *(t.double() for t in (q, k, v)), is_causal=True, variant=variant, **kw
+        )
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-5)
