@@ -303,19 +303,13 @@ def _auto(
     variant: Variant,
     opts: dict[str, Any],
     alibi: bool = False,
-    spans: bool = False,
 ) -> str:
     if alibi:  # SDPA by query blocks (O(T * block)); the reference for p and torch.func
         fam = _softmax_family(variant, opts) and not _functorch_active()
         return "sdpa" if fam else "reference"
     if dropout_p > 0 or (_functorch_active() and not _softmax_family(variant, opts)):
         return "reference"
-    if (
-        query.is_cuda
-        and "triton" in IMPLS
-        and IMPLS["triton"].supports(variant, opts)
-        and (IMPLS["triton"].spans or not spans)
-    ):
+    if query.is_cuda and "triton" in IMPLS and IMPLS["triton"].supports(variant, opts):
         return "triton"
     if _softmax_family(variant, opts):
         return "sdpa"
@@ -364,7 +358,7 @@ def resolve(
             f"variant {v.name!r} cannot take it"
         )
     if impl == "auto":
-        impl = _auto(query, key, dropout_p, v, opts, alibi, spans)
+        impl = _auto(query, key, dropout_p, v, opts, alibi)
     entry = BACKENDS.get(impl) if isinstance(impl, str) else None
     if entry is None or not entry.available:
         why = "" if entry is None else f" (needs {entry.needs})"
