@@ -5,8 +5,9 @@ decoding) against a cache of ``T_k`` keys (1K, 2K, 4K, ... up to ``--max-cache``
 (bottom-right aligned), B=1 H=8 D=64. For each attention x implementation the median time of
 one step (ms), its ratio to SDPA softmax measured in the same run (the cases are interleaved
 round by round, so a slow spell of a shared machine hits them alike) and the peak extra memory
-of one step. The row "fused kernel alone" runs the ``cpu`` op on queries and keys normalised
-beforehand: what a step costs without re-normalising the whole cache in every call.
+of one step. Without a gradient to record, ``cpu`` runs a float32 step on the fused kernel's
+decode entry (each key normalised as it is read, the cache read in place); bf16 runs its
+prefill path on an upcast, normalised copy.
 
 Table 2 (``generate()``): the project's GPT (a preset's shape, random init) with softmax, lssa
 and lssar p=15, and an HF Llama (a ``LlamaConfig`` of the same shape, random init, no download)
@@ -46,17 +47,14 @@ from attention import machine, peak_mib  # benchmarks/ is on sys.path when run a
 import lssar
 from lssar.model import GPT
 from lssar.ops import registry
-from lssar.ops.common import unit
 from lssar.train.config import load_config, model_config
 
-# (label, variant, impl); the first is the baseline of the ratios. "cpu-op": the fused kernel's
-# op on q, k normalised (and upcast) beforehand, the floor of a decode step on the cpu path
+# (label, variant, impl); the first is the baseline of the ratios
 CPU_CASES = [
     ("softmax (SDPA)", "softmax", "sdpa"),
     ("softmax-qknorm-logn (SDPA)", "softmax-qknorm-logn", "sdpa"),
     ("lssa cpu (fused C++)", "lssa", "cpu"),
     ("lssar p=15 cpu (fused C++)", "lssar", "cpu"),
-    ("lssar p=15 fused kernel alone (q, k normalised beforehand)", "lssar", "cpu-op"),
     ("lssa chunked", "lssa", "chunked"),
     ("lssar p=15 chunked", "lssar", "chunked"),
     ("lssa reference", "lssa", "reference"),
@@ -114,32 +112,22 @@ def peak(fn: Callable[[], object], device: str) -> float:
 def runs_on(variant: str, impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
     """The implementation that really runs the case (auto's pick; the cpu kernel or its
     eager fallback)."""
-    if impl == "cpu-op":
-        impl = "cpu"
     name = registry.resolve(variant, impl, q, k, 0.0, {}).impl
     if name == "cpu" and q.dtype != torch.float64:
         from lssar.ops.cpu_kernel import kernel
 
         if kernel() is None:
             return "chunked (no C++ kernel here)"
+        from lssar.ops.chunked import decode_applies
+
+        with torch.no_grad():
+            if decode_applies(q, k, k):
+                return "cpu decode entry"
     return name
 
 
 def step_fn(variant: str, impl: str, q, k, v, mask) -> Callable[[], torch.Tensor]:
     """One decode step of a case on shared inputs (no autograd)."""
-    if impl == "cpu-op":
-        from lssar.ops.chunked import softplus_attention_op
-
-        qh, kh, vf = unit(q), unit(k), v.float()  # normalised (float32) once, outside the timing
-        p = registry.get_variant(variant).resolve({}).get("p")
-        c, log_n = registry.get_variant(variant).softplus_scale(q.shape[-1], None)
-        m = None if mask is None else mask.expand(q.shape[0], 1, q.shape[2], k.shape[2])
-
-        def op():
-            return softplus_attention_op(qh, kh, vf, m, True, c, log_n, p, 0, True)
-
-        return op
-
     def call():
         return lssar.attention(q, k, v, mask, is_causal=True, variant=variant, impl=impl)
 
@@ -186,7 +174,7 @@ def step_table(args) -> list[str]:
     cases = GPU_CASES if args.device == "cuda" else CPU_CASES
     if args.impls:
         cases = cases[:1] + [c for c in cases[1:] if c[2].split("-")[0] in args.impls]
-    available = set(registry.IMPLS) | {"auto", "cpu-op"}
+    available = set(registry.IMPLS) | {"auto"}
     cases = [c for c in cases if c[2] in available]
     if args.quick:
         cases = [c for c in cases if c[2] != "flex"]

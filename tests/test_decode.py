@@ -96,8 +96,8 @@ def _decode(impl, name, opts, tq, tk, pad, dtype, backward):
     return [out, *torch.autograd.grad(out, (q, k, v), _grad(tq).to(dtype))]
 
 
-def _check_step(impl, name, opts, tq, tk, pad):
-    backward = impl not in FORWARD_ONLY
+def _check_step(impl, name, opts, tq, tk, pad, backward=None):
+    backward = impl not in FORWARD_ONLY if backward is None else backward
     golden = _golden(name, tuple(sorted(opts.items())), tq, tk, pad)[: 4 if backward else 1]
 
     def ref64(q, k, v):
@@ -151,13 +151,146 @@ def test_decode_step_every_impl_and_cache(impl, name, opts, tq, tk, pad):
 
 
 def test_auto_decode_picks_an_implementation_that_runs_the_variant():
-    """auto at a decode shape: SDPA for softmax; for lssar the fused kernel once T_q x T_k
-    reaches registry.AUTO_CHUNK_MIN_SCORES, the materialised reference (O(T_k) per row) below."""
+    """auto at a decode shape: SDPA for softmax; for lssar in float32 without a gradient the
+    fused kernel's decode entry at every cache length; with a gradient to record (or in bf16)
+    the fused kernel once T_q x T_k reaches registry.AUTO_CHUNK_MIN_SCORES, the materialised
+    reference (O(T_k) per row) below."""
     q = torch.empty(1, 1, 1, 8)
     short, long = torch.empty(1, 1, 1024, 8), torch.empty(1, 1, registry.AUTO_CHUNK_MIN_SCORES, 8)
     assert registry.resolve("softmax", "auto", q, long, 0.0, {}).impl == "sdpa"
-    assert registry.resolve("lssar", "auto", q, short, 0.0, {}).impl == "reference"
+    with torch.no_grad():
+        assert registry.resolve("lssar", "auto", q, short, 0.0, {}).impl == "cpu"
+    assert registry.resolve("lssar", "auto", q.requires_grad_(), short, 0.0, {}).impl == "reference"
+    half = q.detach().bfloat16(), short.bfloat16()
+    with torch.no_grad():
+        assert registry.resolve("lssar", "auto", *half, 0.0, {}).impl == "reference"
     assert registry.resolve("lssar", "auto", q, long, 0.0, {}).impl == "cpu"
+
+
+# ------------------------------------------------- the fused kernel's decode entry (impl="cpu")
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Counts the calls of the fused kernel's decode entry (skips where it cannot be built)."""
+    from lssar.ops.cpu_kernel import kernel
+
+    mod = kernel()
+    if mod is None:
+        pytest.skip("the fused CPU kernel cannot be built here")
+    calls, real = [], mod.decode
+    monkeypatch.setattr(mod, "decode", lambda *a: calls.append(a[1].shape) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "name,opts,tq,tk,pad",
+    [
+        pytest.param(name, opts, tq, tk, pad, id=f"{name}-tq{tq}-tk{tk}-{pad}")
+        for name, opts in VARIANTS[:2]
+        # 2100 keys: three of the entry's 1024-key chunks
+        for tq, tk in _steps([1, 7, 300, 2100])
+        for pad in ("none", "padding")
+    ],
+)
+def test_cpu_decode_entry_equals_last_rows_of_full_call(decode_calls, name, opts, tq, tk, pad):
+    """Without a gradient to record, a float32 step runs the decode entry (keys normalised as
+    they are read, key chunks' statistics added): the full call's rows within the rule."""
+    _check_step("cpu", name, opts, tq, tk, pad, backward=False)
+    assert len(decode_calls) == 1  # the float32 step (float64 runs chunked)
+
+
+def _cache(x: torch.Tensor, room: int) -> torch.Tensor:
+    """``x`` as a KV cache holds it: a view of a longer buffer whose unused tail is NaN."""
+    buf = torch.full((*x.shape[:2], x.shape[2] + room, x.shape[3]), float("nan"))
+    buf[:, :, : x.shape[2]] = x
+    return buf[:, :, : x.shape[2]]
+
+
+@pytest.mark.parametrize("name,opts", [*VARIANTS[:2], ("lssar", {"p": 2.5}), ("softplus-l1", {})])
+@pytest.mark.parametrize("tq", [1, 5])
+def test_cpu_decode_entry_gqa_in_place_and_nan_padding(decode_calls, name, opts, tq):
+    """GQA (4 query heads on 2 kv heads) without repeating the cache, keys and values read in
+    place from views of longer buffers, and NaN in every masked key and value (left padding):
+    never read into a result, and no copy of the cache made to zero it first."""
+    g = torch.Generator().manual_seed(7)
+    tk, pad = 1500, 600
+    q = torch.randn(2, 4, tq, 16, generator=g)
+    k, v = torch.randn(2, 2, tk, 16, generator=g), torch.randn(2, 2, tk, 16, generator=g)
+    mask = torch.ones(2, 1, 1, tk, dtype=torch.bool)
+    mask[1, ..., :pad] = False
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[1, :, :pad], dirty_v[1, :, :pad] = float("nan"), float("inf")
+    kw = dict(is_causal=True, variant=name, enable_gqa=True, **opts)
+    with torch.no_grad():
+        out = lssar.attention(q, _cache(dirty_k, 9), _cache(dirty_v, 9), mask, impl="cpu", **kw)
+    assert decode_calls == [(2, 2, tk, 16)]  # the cache itself: 2 kv heads, not repeated
+    want = lssar.attention(q.double(), k.double(), v.double(), mask, impl="reference", **kw)
+    assert torch.isfinite(out).all()
+    assert err(out, want) < 2e-5 * (want.abs().max().item() + 1.0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"window": (100, 0)},
+        {"window": (100, 0), "sink_tokens": 4},
+        {"cu_seqlens": torch.tensor([0, 700, 1300]), "is_causal": True},
+    ],
+    ids=["window", "window-sinks", "documents"],
+)
+def test_cpu_decode_entry_with_windows_and_documents(decode_calls, kw):
+    """A step's spans: the entry reads only the keys the rows may see (a view of the cache for a
+    window), N_i counted within them, as the reference."""
+    g = torch.Generator().manual_seed(8)
+    tk = 1300
+    q = torch.randn(1, 2, 3, 16, generator=g)
+    k, v = torch.randn(1, 2, tk, 16, generator=g), torch.randn(1, 2, tk, 16, generator=g)
+    if "cu_seqlens" in kw:  # documents: the 3 new queries end the second one
+        kw = {**kw, "cu_seqlens": torch.tensor([0, 0, 3]), "cu_seqlens_k": kw["cu_seqlens"]}
+    for name, opts in VARIANTS[:2]:
+        decode_calls.clear()
+        with torch.no_grad():
+            out = lssar.attention(q, k, v, variant=name, impl="cpu", **kw, **opts)
+        assert len(decode_calls) == 1 and decode_calls[0][2] < tk
+        want = lssar.attention(*(t.double() for t in (q, k, v)), variant=name, **kw, **opts)
+        assert err(out, want) < 2e-5 * (want.abs().max().item() + 1.0)
+
+
+def test_cpu_decode_entry_falls_back_where_every_weight_underflows(decode_calls):
+    """softplus-l1 with a large scale and keys opposite the query: every visible softplus
+    underflows float32, which the entry reports; the forward op's relative weights answer (the
+    NaN padding still hidden)."""
+    q = torch.ones(1, 1, 1, 8)
+    k, v = -torch.ones(1, 1, 40, 8), torch.randn(1, 1, 40, 8)
+    mask = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    mask[..., :10] = False
+    dirty_v = v.clone()
+    dirty_v[..., :10, :] = float("nan")
+    kw = dict(variant="softplus-l1", scale=20.0)
+    with torch.no_grad():
+        out = lssar.attention(q, k, dirty_v, mask, impl="cpu", **kw)
+    assert len(decode_calls) == 1
+    want = lssar.attention(q.double(), k.double(), v.double(), mask, impl="reference", **kw)
+    torch.testing.assert_close(out, want.float())  # uniform over the 30 visible keys
+
+
+def test_cpu_decode_without_the_kernel_hides_the_padding(monkeypatch):
+    """Where the kernel cannot be built the entry's fallback zeroes the masked entries itself
+    (attention() left them for the kernel to skip)."""
+    from lssar.ops import cpu_kernel
+
+    monkeypatch.setitem(cpu_kernel._loaded, "mod", None)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g) for n in (1, 50, 50))
+    mask = torch.ones(2, 1, 1, 50, dtype=torch.bool)
+    mask[1, ..., :20] = False
+    dk, dv = k.clone(), v.clone()
+    dk[1, :, :20], dv[1, :, :20] = float("nan"), float("nan")
+    with torch.no_grad():
+        out = lssar.attention(q, dk, dv, mask, variant="lssar", p=15.0, impl="cpu")
+    want = lssar.attention(q.double(), k.double(), v.double(), mask, variant="lssar", p=15.0)
+    assert err(out, want) < 1e-5
 
 
 # ---------------------------------------------------------------------------- the GPT's cache
@@ -243,9 +376,9 @@ def test_generate_runs_one_forward_per_sampled_token():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_unit_without_a_graph_is_the_same_bits_in_place(dtype):
-    """A decode step normalises the whole key cache: without autograd ``common.unit`` works in
-    place on its one buffer, and must give exactly what the differentiable form gives (zero,
-    tiny, huge and NaN rows included)."""
+    """A decode step on the reference or chunked normalises the whole key cache: without
+    autograd ``common.unit`` works in place on its one buffer, and must give exactly what the
+    differentiable form gives (zero, tiny, huge and NaN rows included)."""
     from lssar.ops.common import unit
 
     x = torch.randn(2, 3, 40, 16, generator=torch.Generator().manual_seed(0))

@@ -31,6 +31,7 @@ from lssar.ops.common import (
     centring_mean,
     count_visible,
     expand_kv,
+    hide_unseen,
     log_phi,
     uniform_tolerance,
     unit,
@@ -50,6 +51,10 @@ FUSED_BLOCK_ELEMS = 1 << 19
 # two passes (recomputing them per tile cost more than the cache misses it saves: measured with
 # the AVX2 build on 2 cores, T = 4K and 16K, lssar forward 2.2-2.5x SDPA tiled vs 1.65x untiled).
 LSSA_ROWS, LSSA_KEY_TILE, LSSAR_ROWS = 256, 512, 64
+# A decode step (``impl="cpu"``, no gradient): at most this many new queries go to the kernel's
+# decode entry, which reads the cache in place, normalises each key as it reads it and cuts the
+# keys into chunks of DECODE_KEY_CHUNK, one task each (so one head's cache uses every thread)
+DECODE_MAX_ROWS, DECODE_KEY_CHUNK = 16, 1024
 
 
 def _block_rows(bh: int, t_k: int, block: int) -> int:
@@ -273,6 +278,76 @@ def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
     return outs
 
 
+def decode_applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether a ``cpu`` call goes to the fused kernel's decode entry (:func:`softplus_decode_op`):
+    at most :data:`DECODE_MAX_ROWS` float32 CPU queries, no gradient to record, keys and values
+    with unit last stride (a KV cache's buffers as they are)."""
+    return (
+        query.shape[-2] <= DECODE_MAX_ROWS
+        and query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype == torch.float32
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+    )
+
+
+@torch.library.custom_op("lssar::softplus_decode", mutates_args=())
+def softplus_decode_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    log_n: bool,
+    qk_norm: bool,
+    p: float | None,
+) -> Tensor:
+    """A few queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
+    ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys, ``H_q`` a multiple of ``H_k``:
+    each key and value read once, in place, by the fused kernel's decode entry, which reads no
+    masked key or value (:func:`lssar.ops.registry.attention` leaves them as they are); the
+    forward op on hidden, normalised, repeated keys where that kernel cannot run (not built, or
+    a row whose every softplus underflowed)."""
+    from lssar.ops.cpu_kernel import kernel
+
+    B, hq, t_q, _ = q.shape
+    mod = kernel()
+    if mod is not None:
+        m4 = None if mask is None else as_4d(mask).expand(B, hq, t_q, k.shape[2])
+        rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(q.dtype))
+        out, underflow = mod.decode(
+            q.contiguous(), k, v, m4, is_causal, scale, log_n, qk_norm, *rule, DECODE_KEY_CHUNK
+        )
+        if not underflow:
+            return out
+    # attention() left the masked entries for the kernel to skip: zero them for the forward op
+    q, k, v = hide_unseen(q, k, v, as_4d(mask), is_causal)
+    k, v = expand_kv(q, k, v)
+    if qk_norm:
+        k = unit(k)
+    return softplus_attention_op(q, k, v, mask, is_causal, scale, log_n, p, 0, True)
+
+
+@softplus_decode_op.register_fake
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p):
+    return v.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+def _decode(query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans) -> Tensor:
+    """:func:`softplus_decode_op` for a call :func:`decode_applies` to; with ``spans`` over only
+    the keys the rows may see (a view of the cache for documents and windows)."""
+    if qk_norm:
+        query = unit(query)
+    if spans is not None:
+        keys, mask = block_visibility(spans, as_4d(mask), 0, query.shape[-2])
+        if keys is None:  # no row sees a key
+            return query.new_zeros(query.shape[:-1] + value.shape[-1:])
+        key, value, is_causal = key[:, :, keys], value[:, :, keys], False
+    return softplus_decode_op(query, key, value, mask, is_causal, c, log_n, qk_norm, p)
+
+
 @torch.library.custom_op("lssar::softplus_attention", mutates_args=())
 def softplus_attention_op(
     q: Tensor,
@@ -438,12 +513,16 @@ def _softplus_attention(
 ) -> Tensor:
     if dropout_p > 0:
         raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
+    c, log_n = variant.softplus_scale(query.shape[-1], scale)
+    p = options.get("p")
+    if fused and decode_applies(query, key, value):
+        p = None if p is None else float(p)
+        args = (attn_mask, is_causal, float(c), log_n, variant.qk_norm, p, spans)
+        return _decode(query, key, value, *args)
     if enable_gqa:
         key, value = expand_kv(query, key, value)
-    c, log_n = variant.softplus_scale(query.shape[-1], scale)
     if variant.qk_norm:  # in float32 for half inputs, robust at every scale
         query, key = unit(query), unit(key)
-    p = options.get("p")
     return softplus_attention_op(
         query,
         key,

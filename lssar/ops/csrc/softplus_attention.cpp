@@ -525,7 +525,228 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
   return {dq, dk, dvv, underflow.load()};
 }
 
+// out [R, DV] = W [R, kt] (row stride lda) times V [kt, DV] (row stride ldv), reading only the
+// rows of V with a nonzero weight in some row of W: masked keys (and keys LSSAR zeroes) are never
+// read, so padding there may hold anything, NaN included, as in the forward's select.
+inline void weights_v(int64_t R, int64_t kt, const float* w, int64_t lda, const float* v,
+                      int64_t ldv, int64_t DV, float* out) {
+  std::fill(out, out + R * DV, 0.f);
+  for (int64_t j = 0; j < kt; ++j) {
+    const float* vj = v + j * ldv;
+    for (int64_t r = 0; r < R; ++r) {
+      const float x = w[r * lda + j];
+      if (x == 0.f) continue;
+      const Vec xv(x);
+      float* o = out + r * DV;
+      for (int64_t y = 0; y < DV; y += Vec::size()) {
+        const int64_t cnt = std::min<int64_t>(Vec::size(), DV - y);
+        at::vec::fmadd(xv, Vec::loadu(vj + y, cnt), Vec::loadu(o + y, cnt)).store(o + y, cnt);
+      }
+    }
+  }
+}
+
+// A decode step: T_q (a few) new queries of every head against a long cache of T_k keys, no
+// gradient. q [B, H_q, T_q, D] float32 contiguous (unit vectors when `norm_k`); k [B, H_k, T_k, D]
+// and v [B, H_k, T_k, Dv] float32 views with unit last stride (a KV cache's buffers, read in
+// place: no copy); H_q = G H_k (GQA: a kv head's G query heads share each read of its keys).
+// `norm_k`: the keys are divided by their norms here, as they are read (scaled by their largest
+// magnitude first, as common.unit does), so a step reads each key once instead of normalising
+// the whole cache first. Keys are cut into chunks of `chunk`, each (b, kv head, chunk) one task,
+// so one head's long cache keeps every thread busy (split-K):
+//   pass 1 (over K): scores by BLAS on the raw keys, the row scale and the key's inverse norm,
+//     softplus kept in a [B H_k, G T_q, T_k] buffer (1/D of K's size per query row); per-chunk
+//     Z_i and max_j a_ij (and, for LSSA, the chunk's A V);
+//   pass 2 (over V, LSSAR only): the weights r^p from the kept values and the chunk's W V.
+// Masked keys are never read into a result (scores by select, values only where a weight is
+// nonzero: weights_v), so the host need not zero the padding of the cache first.
+// The chunks' sums are added in chunk order. Returns (out [B, H_q, T_q, Dv], any_underflow).
+std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const c10::optional<at::Tensor>& mask, bool causal,
+                                    double scale, bool log_n, bool norm_k, double p,
+                                    double min_keys, double tol, int64_t chunk) {
+  for (auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 &&
+                    t->stride(3) == 1,
+                "decode takes float32 CPU tensors [B, H, T, D] with unit last stride");
+  TORCH_CHECK(q.is_contiguous(), "decode: q must be contiguous");
+  const int64_t B = q.size(0), HQ = q.size(1), TQ = q.size(2), D = q.size(3);
+  const int64_t HK = k.size(1), TK = k.size(2), DV = v.size(3);
+  TORCH_CHECK(HQ % HK == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == HK &&
+                  v.size(2) == TK && k.size(3) == D,
+              "decode: shapes of q, k, v do not agree");
+  const int64_t G = HQ / HK, R = G * TQ, U = B * HK;  // rows per kv head, units (b, kv head)
+  const int64_t CH = std::max<int64_t>(1, chunk), NC = (TK + CH - 1) / CH;
+  Problem P{};  // the row rules (ends, counts, scales, re-weighting) as the forward's
+  P.H = HQ;
+  P.t_q = TQ;
+  P.t_k = TK;
+  P.offset = TK - TQ;
+  P.causal = causal;
+  P.log_n = log_n;
+  P.reweight = p > 0;
+  P.scale = static_cast<float>(scale);
+  P.p = static_cast<float>(p);
+  P.min_keys = static_cast<float>(min_keys);
+  P.tol = static_cast<float>(tol);
+  if (mask.has_value()) {
+    const auto& m = *mask;  // [B, H_q, T_q, T_k] bool, expanded (strides may be 0)
+    TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBool, "mask must be 4-D bool");
+    P.mask = m.data_ptr<bool>();
+    P.ms_b = m.stride(0);
+    P.ms_h = m.stride(1);
+    P.ms_q = m.stride(2);
+    P.ms_k = m.stride(3);
+  }
+  // row r of unit u = (b, hk): query head hk G + r / T_q, query r % T_q; bh as the forward's
+  auto bh_of = [&](int64_t u, int64_t r) { return (u / HK) * HQ + (u % HK) * G + r / TQ; };
+  std::vector<float> n(U * R), c(U * R);
+  at::parallel_for(0, U * R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t u = x / R, r = x % R;
+      n[x] = P.count(bh_of(u, r), r % TQ);
+      c[x] = P.row_scale(n[x]);
+    }
+  });
+  auto kept = at::empty({U, R, TK}, q.options());  // softplus values (pass 1) -> weights
+  auto part = at::zeros({U, NC, R, DV}, q.options());
+  std::vector<float> zp(U * NC * R), mp(U * NC * R), dp(U * NC * R);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* ap = kept.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  auto k_at = [&](int64_t u) { return kp + (u / HK) * ks0 + (u % HK) * ks1; };
+  auto v_at = [&](int64_t u) { return vp + (u / HK) * vs0 + (u % HK) * vs1; };
+  at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> inv(CH), mfb(CH);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
+      const float* kb = k_at(u) + k0 * ks2;
+      float* a = ap + u * R * TK + k0;  // row r at a + r TK
+      // the rows' scores on the raw keys (BLAS reads the cache in place, ldb = its row stride)
+      gemm(R, kt, D, qp + u * R * D, D, kb, ks2, true, 0.f, a, TK);
+      for (int64_t j = 0; j < kt; ++j) {  // 1 / ||k_j||, from the chunk just read (in cache)
+        if (!norm_k) {
+          inv[j] = 1.f;
+          continue;
+        }
+        const float* kj = kb + j * ks2;
+        Vec mx(0.f);
+        for (int64_t x = 0; x < D; x += Vec::size())
+          mx = at::vec::maximum(mx, Vec::loadu(kj + x, std::min<int64_t>(Vec::size(), D - x)).abs());
+        const float big = hmax(mx);
+        const bool ok = big > 0.f && std::isfinite(big);
+        const Vec rb(ok ? 1.f / big : 1.f);
+        Vec ss(0.f);
+        for (int64_t x = 0; x < D; x += Vec::size()) {
+          const Vec y = Vec::loadu(kj + x, std::min<int64_t>(Vec::size(), D - x)) * rb;
+          ss = at::vec::fmadd(y, y, ss);
+        }
+        const float nrm = std::sqrt(hsum(ss)) * (ok ? big : 1.f);
+        inv[j] = nrm > 0.f ? 1.f / nrm : 0.f;  // a zero key: cosine 0 with every query
+      }
+      const Vec zero(0.f);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t x = u * R + r, vis = std::clamp<int64_t>(P.row_end(r % TQ) - k0, 0, kt);
+        float* row = a + r * TK;
+        const float* mf = visible_tile(P, bh_of(u, r), r % TQ, k0, vis, mfb.data());
+        const Vec cv(c[x]);
+        Vec zs(0.f), mx(0.f);
+        for (int64_t j = 0; j < vis; j += Vec::size()) {
+          const int64_t cnt = std::min<int64_t>(Vec::size(), vis - j);
+          const Vec ik = Vec::loadu(inv.data() + j, cnt);
+          // a key of norm 0 (or NaN, inf) has cosine 0, as common.unit makes it
+          const Vec s = Vec::blendv(Vec::loadu(row + j, cnt) * ik * cv, zero, ik == zero);
+          const Vec av = Vec::blendv(zero, softplus(s), lanes(mf, j, vis));
+          av.store(row + j, cnt);
+          zs = zs + av;
+          mx = at::vec::maximum(mx, av);
+        }
+        for (int64_t j = vis; j < kt; ++j) row[j] = 0.f;  // after the row's last key
+        zp[(u * NC + ch) * R + r] = hsum(zs);
+        mp[(u * NC + ch) * R + r] = hmax(mx);
+      }
+      if (!P.reweight)  // LSSA: this chunk's A V, normalised once every chunk's Z is known
+        weights_v(R, kt, a, TK, v_at(u) + k0 * vs2, vs2, DV, pp + (u * NC + ch) * R * DV);
+    }
+  });
+  // the rows' statistics over every chunk
+  std::vector<float> z(U * R, 0.f), den(U * R), mu(U * R, 0.f), iv(U * R, 0.f);
+  std::vector<char> has(U * R, 0);
+  bool underflow = false;
+  for (int64_t u = 0; u < U; ++u)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t x = u * R + r;
+      float amax = 0.f;
+      for (int64_t ch = 0; ch < NC; ++ch) {
+        z[x] += zp[(u * NC + ch) * R + r];
+        amax = std::max(amax, mp[(u * NC + ch) * R + r]);
+      }
+      if (z[x] == 0.f && n[x] > 0.f) underflow = true;
+      den[x] = z[x];
+      if (P.reweight) {
+        const Reweight rw = reweight_stats(P, n[x], z[x], amax);
+        has[x] = rw.has;
+        mu[x] = rw.mu;
+        iv[x] = rw.has ? 1.f / rw.x_max : 0.f;
+      }
+    }
+  if (underflow) return {at::empty({0}, q.options()), true};
+  if (P.reweight) {
+    at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
+      const Vec zero(0.f);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
+        float* a = ap + u * R * TK + k0;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t x = u * R + r;
+          float* row = a + r * TK;
+          Vec ws(0.f);
+          if (has[x]) {  // else a uniform row (or no key): the LSSA weights a / Z, kept as are
+            const Vec muv(mu[x]), ivv(iv[x]);
+            for (int64_t j = 0; j < kt; j += Vec::size()) {
+              const int64_t cnt = std::min<int64_t>(Vec::size(), kt - j);
+              Vec w = vpow(at::vec::maximum(Vec::loadu(row + j, cnt) - muv, zero) * ivv, P.p);
+              if (cnt < Vec::size()) w = Vec::set(zero, w, cnt);
+              w.store(row + j, cnt);
+              ws = ws + w;
+            }
+          }
+          dp[(u * NC + ch) * R + r] = hsum(ws);
+        }
+        weights_v(R, kt, a, TK, v_at(u) + k0 * vs2, vs2, DV, pp + (u * NC + ch) * R * DV);
+      }
+    });
+    for (int64_t u = 0; u < U; ++u)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t x = u * R + r;
+        if (!has[x]) continue;
+        den[x] = 0.f;
+        for (int64_t ch = 0; ch < NC; ++ch) den[x] += dp[(u * NC + ch) * R + r];
+      }
+  }
+  auto out = at::zeros({B, HQ, TQ, DV}, q.options());  // rows (u, r) in this order: contiguous
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, U * R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t u = x / R, r = x % R;
+      const float inv = 1.f / (den[x] > 0.f ? den[x] : 1.f);
+      float* o = op + x * DV;
+      for (int64_t ch = 0; ch < NC; ++ch) {
+        const float* src = pp + ((u * NC + ch) * R + r) * DV;
+        for (int64_t y = 0; y < DV; ++y) o[y] += src[y];
+      }
+      for (int64_t y = 0; y < DV; ++y) o[y] *= inv;
+    }
+  });
+  return {out, false};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "fused softplus-l1 attention forward (float32, CPU, key-tiled)");
   m.def("backward", &backward, "fused softplus-l1 attention backward (float32, CPU)");
+  m.def("decode", &decode, "fused softplus-l1 attention for a few queries over a KV cache");
 }
