@@ -128,6 +128,7 @@ def runs_on(variant: str, impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
 
 def step_fn(variant: str, impl: str, q, k, v, mask) -> Callable[[], torch.Tensor]:
     """One decode step of a case on shared inputs (no autograd)."""
+
     def call():
         return lssar.attention(q, k, v, mask, is_causal=True, variant=variant, impl=impl)
 
