@@ -78,7 +78,7 @@ def test_decode_benchmark_prints_every_case_and_generate_arm():
     assert all(r[6] == "1.00" for r in steps if r[3] == cases[0])  # SDPA is the baseline
     assert all(float(r[5]) > 0 for r in steps)
     auto = next(r for r in steps if r[3] == "lssar p=15 auto")
-    assert auto[4] in ("reference", "cpu", "chunked")  # what auto picked, named
+    assert auto[4] in ("reference", "cpu", "cpu decode entry", "chunked")  # what auto picked
     gen = [r for r in rows if r[0] in ("GPT", "HF Llama")]
     arms = [f"GPT {a[0]}" for a in bench.GPT_ARMS]
     if "HF Llama rows skipped" not in out:  # transformers is optional
