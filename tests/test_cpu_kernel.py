@@ -92,6 +92,18 @@ def test_every_isa_build_matches_the_eager_path(monkeypatch, isa):
             kw = {**opts, "is_causal": causal, "attn_mask": mask}
             for a, b in zip(_run("cpu", q, k, v, **kw), _run("chunked", q, k, v, **kw)):
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+    # the decode entry (3 queries, no gradient), on float32 and half-precision caches, which it
+    # converts as it reads them (F16C for fp16 in the AVX2 build)
+    key_mask = mask[:, :, -1:]  # (2, 1, 1, 75): the second sequence sees its first 40 keys
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        qd, kd, vd = q[..., -3:, :].to(dtype), k.to(dtype), v.to(dtype)
+        for opts in ({"variant": "lssa"}, {"variant": "lssar"}, {"variant": "lssar", "p": 2.5}):
+            with torch.no_grad():
+                a, b = (
+                    lssar.attention(qd, kd, vd, key_mask, is_causal=True, impl=impl, **opts)
+                    for impl in ("cpu", "chunked")
+                )
+            assert (a - b).abs().max() <= tol * b.abs().max()
 
 
 def test_isa_switch_picks_the_build_and_rejects_what_the_machine_cannot_run(monkeypatch):

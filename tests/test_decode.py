@@ -151,19 +151,20 @@ def test_decode_step_every_impl_and_cache(impl, name, opts, tq, tk, pad):
 
 
 def test_auto_decode_picks_an_implementation_that_runs_the_variant():
-    """auto at a decode shape: SDPA for softmax; for lssar in float32 without a gradient the
-    fused kernel's decode entry at every cache length; with a gradient to record (or in bf16)
-    the fused kernel once T_q x T_k reaches registry.AUTO_CHUNK_MIN_SCORES, the materialised
-    reference (O(T_k) per row) below."""
+    """auto at a decode shape: SDPA for softmax; for lssar in float32 / bf16 without a gradient
+    the fused kernel's decode entry at every cache length; with a gradient to record (or in
+    float64) the fused kernel once T_q x T_k reaches registry.AUTO_CHUNK_MIN_SCORES, the
+    materialised reference (O(T_k) per row) below."""
     q = torch.empty(1, 1, 1, 8)
     short, long = torch.empty(1, 1, 1024, 8), torch.empty(1, 1, registry.AUTO_CHUNK_MIN_SCORES, 8)
     assert registry.resolve("softmax", "auto", q, long, 0.0, {}).impl == "sdpa"
     with torch.no_grad():
         assert registry.resolve("lssar", "auto", q, short, 0.0, {}).impl == "cpu"
+        half = q.bfloat16(), short.bfloat16()  # converted chunk by chunk in the kernel
+        assert registry.resolve("lssar", "auto", *half, 0.0, {}).impl == "cpu"
+        wide = q.double(), short.double()
+        assert registry.resolve("lssar", "auto", *wide, 0.0, {}).impl == "reference"
     assert registry.resolve("lssar", "auto", q.requires_grad_(), short, 0.0, {}).impl == "reference"
-    half = q.detach().bfloat16(), short.bfloat16()
-    with torch.no_grad():
-        assert registry.resolve("lssar", "auto", *half, 0.0, {}).impl == "reference"
     assert registry.resolve("lssar", "auto", q, long, 0.0, {}).impl == "cpu"
 
 
@@ -202,7 +203,7 @@ def test_cpu_decode_entry_equals_last_rows_of_full_call(decode_calls, name, opts
 
 def _cache(x: torch.Tensor, room: int) -> torch.Tensor:
     """``x`` as a KV cache holds it: a view of a longer buffer whose unused tail is NaN."""
-    buf = torch.full((*x.shape[:2], x.shape[2] + room, x.shape[3]), float("nan"))
+    buf = torch.full((*x.shape[:2], x.shape[2] + room, x.shape[3]), float("nan"), dtype=x.dtype)
     buf[:, :, : x.shape[2]] = x
     return buf[:, :, : x.shape[2]]
 
@@ -228,6 +229,25 @@ def test_cpu_decode_entry_gqa_in_place_and_nan_padding(decode_calls, name, opts,
     want = lssar.attention(q.double(), k.double(), v.double(), mask, impl="reference", **kw)
     assert torch.isfinite(out).all()
     assert err(out, want) < 2e-5 * (want.abs().max().item() + 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,opts", VARIANTS[:2])
+def test_cpu_decode_entry_reads_a_half_precision_cache(decode_calls, dtype, name, opts):
+    """A bf16 / fp16 cache is converted chunk by chunk inside the kernel (no float32 copy of
+    it): the step is as close to the float64 call on the same (rounded) inputs as the
+    reference's own half-precision step."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(2, 4, n, 32, generator=g).to(dtype) for n in (3, 1200, 1200))
+    mask = torch.ones(2, 1, 1, 1200, dtype=torch.bool)
+    mask[1, ..., :300] = False
+    kw = dict(is_causal=True, variant=name, **opts)
+    with torch.no_grad():
+        fast = lssar.attention(q, _cache(k, 5), _cache(v, 5), mask, impl="cpu", **kw)
+        ref = lssar.attention(q, k, v, mask, impl="reference", **kw)
+    assert decode_calls == [(2, 4, 1200, 32)] and fast.dtype == dtype
+    gold = lssar.attention(q.double(), k.double(), v.double(), mask, impl="reference", **kw)
+    assert err(fast, gold) <= 1.5 * err(ref, gold) + 1e-6
 
 
 @pytest.mark.parametrize(

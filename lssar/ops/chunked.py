@@ -280,12 +280,14 @@ def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
 
 def decode_applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """Whether a ``cpu`` call goes to the fused kernel's decode entry (:func:`softplus_decode_op`):
-    at most :data:`DECODE_MAX_ROWS` float32 CPU queries, no gradient to record, keys and values
+    at most :data:`DECODE_MAX_ROWS` CPU queries, float32, bf16 or fp16 (the kernel converts a
+    half-precision cache chunk by chunk as it reads it), no gradient to record, keys and values
     with unit last stride (a KV cache's buffers as they are)."""
     return (
         query.shape[-2] <= DECODE_MAX_ROWS
         and query.device.type == "cpu"
-        and query.dtype == key.dtype == value.dtype == torch.float32
+        and query.dtype == key.dtype == value.dtype
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and key.stride(-1) == 1
         and value.stride(-1) == 1
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
@@ -304,12 +306,13 @@ def softplus_decode_op(
     qk_norm: bool,
     p: float | None,
 ) -> Tensor:
-    """A few queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
-    ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys, ``H_q`` a multiple of ``H_k``:
-    each key and value read once, in place, by the fused kernel's decode entry, which reads no
-    masked key or value (:func:`lssar.ops.registry.attention` leaves them as they are); the
-    forward op on hidden, normalised, repeated keys where that kernel cannot run (not built, or
-    a row whose every softplus underflowed)."""
+    """A few float32 queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
+    ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys (float32, bf16 or fp16), ``H_q``
+    a multiple of ``H_k``; the output in float32. Each key and value is read once, in place, by
+    the fused kernel's decode entry, which reads no masked key or value
+    (:func:`lssar.ops.registry.attention` leaves them as they are); where that kernel cannot run
+    (not built, or a row whose every softplus underflowed), the forward op on hidden,
+    normalised, repeated keys."""
     from lssar.ops.cpu_kernel import kernel
 
     B, hq, t_q, _ = q.shape
@@ -327,25 +330,26 @@ def softplus_decode_op(
     k, v = expand_kv(q, k, v)
     if qk_norm:
         k = unit(k)
-    return softplus_attention_op(q, k, v, mask, is_causal, scale, log_n, p, 0, True)
+    return softplus_attention_op(q, k, v.float(), mask, is_causal, scale, log_n, p, 0, True)
 
 
 @softplus_decode_op.register_fake
 def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p):
-    return v.new_empty(q.shape[:-1] + v.shape[-1:])
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])  # float32, as q
 
 
 def _decode(query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans) -> Tensor:
     """:func:`softplus_decode_op` for a call :func:`decode_applies` to; with ``spans`` over only
     the keys the rows may see (a view of the cache for documents and windows)."""
-    if qk_norm:
-        query = unit(query)
+    dtype = value.dtype
+    query = unit(query) if qk_norm else query.float()
     if spans is not None:
         keys, mask = block_visibility(spans, as_4d(mask), 0, query.shape[-2])
         if keys is None:  # no row sees a key
-            return query.new_zeros(query.shape[:-1] + value.shape[-1:])
+            return value.new_zeros(query.shape[:-1] + value.shape[-1:])
         key, value, is_causal = key[:, :, keys], value[:, :, keys], False
-    return softplus_decode_op(query, key, value, mask, is_causal, c, log_n, qk_norm, p)
+    out = softplus_decode_op(query, key, value, mask, is_causal, c, log_n, qk_norm, p)
+    return out.to(dtype)
 
 
 @torch.library.custom_op("lssar::softplus_attention", mutates_args=())

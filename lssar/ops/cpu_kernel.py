@@ -59,9 +59,10 @@ _loaded: dict[str, ModuleType | None] = {}
 
 
 # Vector flags per ISA torch reports: at::vec::Vectorized<float> is then 8 (AVX2) or 16 (AVX-512)
-# lanes, as in torch's own kernels for that ISA (its exp_u20 and Sleef come from libtorch_cpu).
+# lanes, as in torch's own kernels for that ISA (its exp_u20 and Sleef come from libtorch_cpu);
+# F16C (on every AVX2 CPU) converts fp16 caches in the decode entry.
 ISA_FLAGS = {
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
     "AVX512": [
         "-mavx512f",
         "-mavx512bw",

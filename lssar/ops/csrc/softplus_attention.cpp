@@ -546,10 +546,40 @@ inline void weights_v(int64_t R, int64_t kt, const float* w, int64_t lda, const 
   }
 }
 
+// n rows of d values (row stride ld) of a half-precision cache, as float32 into dst [n, d]
+template <typename T>
+void rows_to_float(const T* src, int64_t n, int64_t d, int64_t ld, float* dst) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t x = 0; x < d; ++x) dst[i * d + x] = static_cast<float>(src[i * ld + x]);
+}
+
+// Rows j0 .. j0 + n - 1 of head `u` (= b H + h) of a [B, H, T, d] cache as float32: the cache
+// itself (float32: no copy), or the rows converted into `buf` (bf16, fp16). Returns the rows
+// and their stride.
+struct CacheRows {
+  const char* base;
+  at::ScalarType type;
+  int64_t H, s0, s1, s2, d, esize;
+  CacheRows(const at::Tensor& t)
+      : base(static_cast<const char*>(t.data_ptr())), type(t.scalar_type()), H(t.size(1)),
+        s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), d(t.size(3)),
+        esize(t.element_size()) {}
+  std::pair<const float*, int64_t> at(int64_t u, int64_t j0, int64_t n, float* buf) const {
+    const char* p = base + ((u / H) * s0 + (u % H) * s1 + j0 * s2) * esize;
+    if (type == at::kFloat) return {reinterpret_cast<const float*>(p), s2};
+    if (type == at::kBFloat16)
+      rows_to_float(reinterpret_cast<const at::BFloat16*>(p), n, d, s2, buf);
+    else
+      rows_to_float(reinterpret_cast<const at::Half*>(p), n, d, s2, buf);
+    return {buf, d};
+  }
+};
+
 // A decode step: T_q (a few) new queries of every head against a long cache of T_k keys, no
 // gradient. q [B, H_q, T_q, D] float32 contiguous (unit vectors when `norm_k`); k [B, H_k, T_k, D]
-// and v [B, H_k, T_k, Dv] float32 views with unit last stride (a KV cache's buffers, read in
-// place: no copy); H_q = G H_k (GQA: a kv head's G query heads share each read of its keys).
+// and v [B, H_k, T_k, Dv] views with unit last stride (a KV cache's buffers, read in place: no
+// copy), float32, or bf16 / fp16 converted chunk by chunk as they are read; H_q = G H_k (GQA: a
+// kv head's G query heads share each read of its keys).
 // `norm_k`: the keys are divided by their norms here, as they are read (scaled by their largest
 // magnitude first, as common.unit does), so a step reads each key once instead of normalising
 // the whole cache first. Keys are cut into chunks of `chunk`, each (b, kv head, chunk) one task,
@@ -566,10 +596,14 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
                                     double scale, bool log_n, bool norm_k, double p,
                                     double min_keys, double tol, int64_t chunk) {
   for (auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 &&
-                    t->stride(3) == 1,
-                "decode takes float32 CPU tensors [B, H, T, D] with unit last stride");
-  TORCH_CHECK(q.is_contiguous(), "decode: q must be contiguous");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
+                "decode takes CPU tensors [B, H, T, D] with unit last stride");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "decode: q must be contiguous float32");
+  const auto kv_type = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == kv_type && (kv_type == at::kFloat || kv_type == at::kBFloat16 ||
+                                             kv_type == at::kHalf),
+              "decode: k and v must share one of float32, bfloat16, float16");
   const int64_t B = q.size(0), HQ = q.size(1), TQ = q.size(2), D = q.size(3);
   const int64_t HK = k.size(1), TK = k.size(2), DV = v.size(3);
   TORCH_CHECK(HQ % HK == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == HK &&
@@ -612,28 +646,24 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
   auto part = at::zeros({U, NC, R, DV}, q.options());
   std::vector<float> zp(U * NC * R), mp(U * NC * R), dp(U * NC * R);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* ap = kept.data_ptr<float>();
   float* pp = part.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  auto k_at = [&](int64_t u) { return kp + (u / HK) * ks0 + (u % HK) * ks1; };
-  auto v_at = [&](int64_t u) { return vp + (u / HK) * vs0 + (u % HK) * vs1; };
+  const CacheRows keys(k), values(v);
+  const bool half = kv_type != at::kFloat;
   at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> inv(CH), mfb(CH);
+    std::vector<float> inv(CH), mfb(CH), kbuf(half ? CH * D : 0), vbuf(half ? CH * DV : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
-      const float* kb = k_at(u) + k0 * ks2;
+      const auto [kb, ldk] = keys.at(u, k0, kt, kbuf.data());
       float* a = ap + u * R * TK + k0;  // row r at a + r TK
       // the rows' scores on the raw keys (BLAS reads the cache in place, ldb = its row stride)
-      gemm(R, kt, D, qp + u * R * D, D, kb, ks2, true, 0.f, a, TK);
+      gemm(R, kt, D, qp + u * R * D, D, kb, ldk, true, 0.f, a, TK);
       for (int64_t j = 0; j < kt; ++j) {  // 1 / ||k_j||, from the chunk just read (in cache)
         if (!norm_k) {
           inv[j] = 1.f;
           continue;
         }
-        const float* kj = kb + j * ks2;
+        const float* kj = kb + j * ldk;
         Vec mx(0.f);
         for (int64_t x = 0; x < D; x += Vec::size())
           mx = at::vec::maximum(mx, Vec::loadu(kj + x, std::min<int64_t>(Vec::size(), D - x)).abs());
@@ -669,8 +699,10 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
         zp[(u * NC + ch) * R + r] = hsum(zs);
         mp[(u * NC + ch) * R + r] = hmax(mx);
       }
-      if (!P.reweight)  // LSSA: this chunk's A V, normalised once every chunk's Z is known
-        weights_v(R, kt, a, TK, v_at(u) + k0 * vs2, vs2, DV, pp + (u * NC + ch) * R * DV);
+      if (!P.reweight) {  // LSSA: this chunk's A V, normalised once every chunk's Z is known
+        const auto [vb, ldv] = values.at(u, k0, kt, vbuf.data());
+        weights_v(R, kt, a, TK, vb, ldv, DV, pp + (u * NC + ch) * R * DV);
+      }
     }
   });
   // the rows' statistics over every chunk
@@ -698,6 +730,7 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
   if (P.reweight) {
     at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
       const Vec zero(0.f);
+      std::vector<float> vbuf(half ? CH * DV : 0);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
         float* a = ap + u * R * TK + k0;
@@ -717,7 +750,8 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
           }
           dp[(u * NC + ch) * R + r] = hsum(ws);
         }
-        weights_v(R, kt, a, TK, v_at(u) + k0 * vs2, vs2, DV, pp + (u * NC + ch) * R * DV);
+        const auto [vb, ldv] = values.at(u, k0, kt, vbuf.data());
+        weights_v(R, kt, a, TK, vb, ldv, DV, pp + (u * NC + ch) * R * DV);
       }
     });
     for (int64_t u = 0; u < U; ++u)
