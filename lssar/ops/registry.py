@@ -329,7 +329,7 @@ def _auto(
     if not _softplus_l1(variant, opts):
         return "reference"
     if _cpu_decode(query, key, key):
-        return "cpu"  # its decode entry: each key read once, in place (1K-16K keys: 1.1-1.6x SDPA)
+        return "cpu"  # its decode entry: the cache read once, in place (benchmarks/decode.py)
     if query.shape[-2] * key.shape[-2] >= AUTO_CHUNK_MIN_SCORES:
         return "cpu" if query.device.type == "cpu" else "chunked"
     return "reference"
