@@ -241,16 +241,17 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
   return st;
 }
 
-Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask, int64_t H, bool causal, double scale,
+// BH rows of heads (H per batch entry), each T_q queries over T_k keys (dims d, dv)
+Problem make_problem(int64_t BH, int64_t H, int64_t t_q, int64_t t_k, int64_t d, int64_t dv,
+                     const c10::optional<at::Tensor>& mask, bool causal, double scale,
                      bool log_n, double p, double min_keys, double tol, int64_t rows) {
   Problem P{};
-  P.BH = q.size(0);
+  P.BH = BH;
   P.H = H;
-  P.t_q = q.size(1);
-  P.t_k = k.size(1);
-  P.d = q.size(2);
-  P.dv = v.size(2);
+  P.t_q = t_q;
+  P.t_k = t_k;
+  P.d = d;
+  P.dv = dv;
   P.offset = P.t_k - P.t_q;
   P.rows = std::max<int64_t>(1, rows);
   P.causal = causal;
@@ -318,7 +319,8 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
   check(q, "q");
   check(k, "k");
   check(v, "v");
-  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, min_keys, tol, rows);
+  const Problem P = make_problem(q.size(0), H, q.size(1), k.size(1), q.size(2), v.size(2), mask,
+                                 causal, scale, log_n, p, min_keys, tol, rows);
   const int64_t KT = std::max<int64_t>(1, key_tile), D = P.d, DV = P.dv;
   auto out = at::zeros({P.BH, P.t_q, DV}, q.options());
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
@@ -425,7 +427,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
   check(q, "q");
   check(k, "k");
   check(v, "v");
-  const Problem P = make_problem(q, k, v, mask, H, causal, scale, log_n, p, min_keys, tol, rows);
+  const Problem P = make_problem(q.size(0), H, q.size(1), k.size(1), q.size(2), v.size(2), mask,
+                                 causal, scale, log_n, p, min_keys, tol, rows);
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dvv = at::zeros_like(v);
   std::atomic<bool> underflow{false};
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
@@ -611,27 +614,9 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
               "decode: shapes of q, k, v do not agree");
   const int64_t G = HQ / HK, R = G * TQ, U = B * HK;  // rows per kv head, units (b, kv head)
   const int64_t CH = std::max<int64_t>(1, chunk), NC = (TK + CH - 1) / CH;
-  Problem P{};  // the row rules (ends, counts, scales, re-weighting) as the forward's
-  P.H = HQ;
-  P.t_q = TQ;
-  P.t_k = TK;
-  P.offset = TK - TQ;
-  P.causal = causal;
-  P.log_n = log_n;
-  P.reweight = p > 0;
-  P.scale = static_cast<float>(scale);
-  P.p = static_cast<float>(p);
-  P.min_keys = static_cast<float>(min_keys);
-  P.tol = static_cast<float>(tol);
-  if (mask.has_value()) {
-    const auto& m = *mask;  // [B, H_q, T_q, T_k] bool, expanded (strides may be 0)
-    TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBool, "mask must be 4-D bool");
-    P.mask = m.data_ptr<bool>();
-    P.ms_b = m.stride(0);
-    P.ms_h = m.stride(1);
-    P.ms_q = m.stride(2);
-    P.ms_k = m.stride(3);
-  }
+  // the row rules (ends, counts, scales, re-weighting) as the forward's, per query head
+  const Problem P = make_problem(B * HQ, HQ, TQ, TK, D, DV, mask, causal, scale, log_n, p,
+                                 min_keys, tol, 1);
   // row r of unit u = (b, hk): query head hk G + r / T_q, query r % T_q; bh as the forward's
   auto bh_of = [&](int64_t u, int64_t r) { return (u / HK) * HQ + (u % HK) * G + r / TQ; };
   std::vector<float> n(U * R), c(U * R);
