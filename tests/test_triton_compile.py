@@ -107,6 +107,44 @@ def test_spilling_config_is_detected(tmp_path):
     assert not res["kept"], "the autotuner may pick a config that spills"
 
 
+def test_fp32_rows_with_sinks_kept_configs_do_not_spill(tmp_path):
+    # fp32 rows kernel, head dim 128, key spans with sinks: the pipelined 16x16 w4 s2 tile (the
+    # only one the FMA rule keeps) spilled 8 B on sm_80; every config kept now compiles clean on
+    # sm_80 and sm_90.
+    code = (
+        "import json; from lssar.ops.triton import compile_check as cc\n"
+        "case = cc.Case(128, 'fp32', True, 'lssar', False, 'sinks')\n"
+        "b = [x for x in cc.builds([case], (80, 90), kept_only=True) if x.kernel == 'rows']\n"
+        "rows = cc.run(b, 2)\n"
+        "print(json.dumps({'rows': rows, 'problems': cc.problems(rows)}))\n"
+    )
+    proc = _python(["-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["arch"] for r in res["rows"]} == {80, 90}
+    assert all(r["ok"] for r in res["rows"]), res["rows"]
+    assert not res["problems"], res["problems"]
+
+
+def test_unpipelined_row_tile_is_only_a_fallback():
+    from lssar.ops.triton import autotune as A
+
+    def kept(kind, bd, ieee, spans):
+        prune = A._pruner(kind)
+        cfgs = prune(A._ROW_CONFIGS, {"tq_key": 1024}, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
+        return [(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in cfgs]
+
+    # measured: s2 spills on sm_80 with spans at head dim 128 (fp32 rows), s1 does not
+    assert kept("rows", 128, True, True) == [(16, 16, 4, 1)]
+    assert kept("rows", 128, True, False) == [(16, 16, 4, 2)]
+    for kind in ("fwd", "rows", "dq"):
+        for bd in (64, 128, 256):
+            for spans in (False, True):
+                if (kind, bd, spans) != ("rows", 128, True):
+                    assert all(c[3] > 1 for c in kept(kind, bd, True, spans)), (kind, bd, spans)
+                assert all(c[3] > 1 for c in kept(kind, bd, False, spans)), (kind, bd, spans)
+
+
 def test_problems_flags_errors_and_shared_memory():
     from lssar.ops.triton.compile_check import problems
 

@@ -88,9 +88,12 @@ MEASURED_SPILLS = {
 # Tiles that spilled only with key spans (HAS_SPANS: the rows' bounds and the data-dependent loop
 # bounds hold a few more registers), measured on the spans cases lssar d64/d128/d256 bf16, lssar
 # d128 fp32 (window + sinks), lssa d128 bf16 (window + sinks), lssar d128 bf16 (window), sm_80
-# and sm_90 (4 to 124 B). Not listed: fp32 rows d128 16x16 w4 s2 (8 B on sm_80 with sinks), the
-# only tile the FMA rule keeps there.
+# and sm_90 (4 to 124 B). fp32 rows at head dim 128, 16x16 w4 s2 (the only pipelined tile the FMA
+# rule keeps there): 72 registers + 8 B spilled on sm_80 with sinks (ptxas 12.9, which Triton uses
+# below sm_90; 0 on sm_90); its unpipelined twin (16x16 w4 s1, a fallback: see _pruner) does not
+# spill there (72 registers on sm_80, 83 on sm_90), nor at head dim 64 / 256, with or without spans.
 MEASURED_SPAN_SPILLS = {
+    ("rows", 128, True, 16, 16, 4, 2),
     ("fwd", 128, False, 64, 64, 8, 2),
     ("dq", 64, False, 64, 32, 4, 2),
     ("rows", 256, False, 16, 64, 4, 2),
@@ -118,15 +121,18 @@ def fits(kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bo
 
 def _pruner(kind: str):
     """The autotuner's ``early_config_prune`` for a ``kind`` kernel: drops configs that would
-    spill or not fit (:func:`fits`), and row tiles taller than the query block (decoding,
-    ``T_q = 1``: saves tuning time). Never returns an empty list: if nothing fits, the config
-    with the fewest estimated live words."""
+    spill or not fit (:func:`fits`), unpipelined row tiles (``num_stages=1``) where a pipelined
+    one fits, and row tiles taller than the query block (decoding, ``T_q = 1``: saves tuning
+    time). Never returns an empty list: if nothing fits, the config with the fewest estimated
+    live words."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list:
         bd, bdv, ieee = kwargs["BD"], kwargs["BDV"], kwargs["IEEE"]
         spans = bool(kwargs.get("HAS_SPANS", False))
         kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans)]
         if kind != "dkdv":
+            # unpipelined row tiles are a fallback, kept only where every pipelined one is pruned
+            kept = [c for c in kept if c.num_stages > 1] or kept
             tq = named_args.get("tq_key", kwargs.get("tq_key", 1 << 30))
             short = [c for c in kept if c.kwargs["BM"] <= max(16, tq)]
             kept = short or kept[-1:]
@@ -140,9 +146,11 @@ def _pruner(kind: str):
 
 # Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
 # Large tiles first (the autotuner weighs those that fit at the launch's head dim and dtype),
-# then the small ones that fit at head dim 256 and with fp32 inputs. On sm_90 a 64-row tile with
-# 8 warps computes its element-wise work twice (both warpgroups hold the whole tile: twice the
-# MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4 warps come first.
+# then the small ones that fit at head dim 256 and with fp32 inputs, and last an unpipelined one
+# for launches where every pipelined tile spills (fp32 rows at head dim 128 with key spans). On
+# sm_90 a 64-row tile with 8 warps computes its element-wise work twice (both warpgroups hold the
+# whole tile: twice the MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4
+# warps come first.
 _ROW_CONFIGS = _configs(
     [
         (128, 32, 8, 2),
@@ -153,6 +161,7 @@ _ROW_CONFIGS = _configs(
         (16, 64, 4, 2),
         (16, 32, 4, 2),
         (16, 16, 4, 2),
+        (16, 16, 4, 1),
     ]
 )
 _COL_CONFIGS = _configs(
