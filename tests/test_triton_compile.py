@@ -5,10 +5,11 @@ rest of the suite (``tests/conftest.py``) decorates the kernels for the interpre
 process, so this file and ``tests/test_triton_kernels.py`` pass in one run in either order.
 The default run compiles, for each kernel of each case of the reduced grid, the config the
 autotuner may pick that is closest to spilling by the kernels' own estimate, for sm_80 and sm_90
-(56 builds, one case with key spans and sinks; about 3 minutes on 2 busy cores, 9.5 measured
-cold on 2 overloaded ones; cached per build under ``$LSSAR_COMPILE_CACHE`` or
-``~/.cache/lssar/compile_check``, so a second run is cheap); ``-m slow`` compiles every config of
-the full grid (hours on 2 cores).
+(56 builds, one case with key spans and sinks), and a few targeted builds (a known spilling tile,
+fp32 rows with sinks, fp32 with and without TF32): 67 builds, 228 s measured cold on 2 busy cores
+(9.5 minutes once on 2 overloaded ones), 16 s warm: cached per build under
+``$LSSAR_COMPILE_CACHE`` or ``~/.cache/lssar/compile_check``; ``-m slow`` compiles every config
+of the full grid (hours on 2 cores).
 """
 
 import json

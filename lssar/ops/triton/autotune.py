@@ -242,6 +242,9 @@ _ROW_CONFIGS = _configs(
         (16, 16, 4, 1),
     ]
 )
+# No 64x64 dk/dv tile with 4 warps (the one whose four products all fit sm_90's wgmma, M % 64 == 0
+# per warpgroup): measured for bf16 LSSAR, every such tile spills (head dim 64: 24-80 B on sm_90,
+# 88-544 B on sm_80; 128: 0.5-1.4 KB); see benchmarks/RESULTS.md.
 _COL_CONFIGS = _configs(
     [
         (32, 64, 8, 2),

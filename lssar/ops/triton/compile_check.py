@@ -1,6 +1,6 @@
 """Ahead-of-time compile check of the Triton kernels for sm_80 / sm_90, on a machine without a GPU.
 
-``python -m lssar.ops.triton.compile_check [--grid reduced|full] [--arch 80 90] [--kept-only]
+``python -m lssar.ops.triton.compile_check [--grid reduced|full|tf32] [--arch 80 90] [--kept-only]
 [--riskiest N] [--jobs N] [--cache DIR] [--json FILE]`` (exit status 1 if :func:`problems` finds
 any: a build that does not compile, or a config the autotuner keeps that spills registers or
 exceeds shared memory).
@@ -107,7 +107,9 @@ def grid(name: str) -> list[Case]:
     ``reduced`` (the default test run): the combinations whose resources differ most (head dim
     128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case;
     one with spans and sinks, the superset of the span code); causal, mask and spans add a few
-    integer ops per element and move no tile size.
+    integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases with TF32 allowed
+    that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a mask, sinks, a
+    window; lssa 64/128).
     """
     if name == "full":
         plain = [
@@ -148,7 +150,26 @@ def grid(name: str) -> list[Case]:
             Case(128, "fp16", False, "lssar", True),
             Case(128, "bf16", True, "lssar", False, "sinks"),
         ]
-    raise ValueError(f"unknown grid {name!r}: 'reduced' or 'full'")
+    if name == "tf32":  # the cases TF32_REG_BUDGET and MEASURED_TF32_SPILLS were measured on
+        return [
+            Case(d, "fp32", c, v, m, sp, tf32=True)
+            for d, c, v, m, sp in [
+                (64, True, "lssar", False, ""),
+                (128, True, "lssar", False, ""),
+                (256, True, "lssar", False, ""),
+                (128, True, "lssar", False, "sinks"),
+                (128, True, "lssa", False, ""),
+                (128, False, "lssar", True, ""),
+                (64, False, "lssar", True, ""),
+                (256, False, "lssar", True, ""),
+                (64, True, "lssar", False, "sinks"),
+                (256, True, "lssar", False, "sinks"),
+                (128, True, "lssa", False, "sinks"),
+                (128, True, "lssar", False, "window"),
+                (64, True, "lssa", False, ""),
+            ]
+        ]
+    raise ValueError(f"unknown grid {name!r}: 'reduced', 'full' or 'tf32'")
 
 
 @dataclasses.dataclass
@@ -469,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m lssar.ops.triton.compile_check", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--grid", default="reduced", choices=("reduced", "full"))
+    ap.add_argument("--grid", default="reduced", choices=("reduced", "full", "tf32"))
     ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=ARCHS)
     ap.add_argument(
         "--kept-only", action="store_true", help="only configs the autotuner's pruning keeps"
