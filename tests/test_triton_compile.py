@@ -5,10 +5,11 @@ rest of the suite (``tests/conftest.py``) decorates the kernels for the interpre
 process, so this file and ``tests/test_triton_kernels.py`` pass in one run in either order.
 The default run compiles, for each kernel of each case of the reduced grid, the config the
 autotuner may pick that is closest to spilling by the kernels' own estimate, for sm_80 and sm_90
-(56 builds, one case with key spans and sinks; about 3 minutes on 2 busy cores, 9.5 measured
-cold on 2 overloaded ones; cached per build under ``$LSSAR_COMPILE_CACHE`` or
-``~/.cache/lssar/compile_check``, so a second run is cheap); ``-m slow`` compiles every config of
-the full grid (hours on 2 cores).
+(56 builds, one case with key spans and sinks), and a few targeted builds (a known spilling tile,
+fp32 rows with sinks, fp32 with and without TF32): 67 builds, 228 s measured cold on 2 busy cores
+(9.5 minutes once on 2 overloaded ones), 16 s warm: cached per build under
+``$LSSAR_COMPILE_CACHE`` or ``~/.cache/lssar/compile_check``; ``-m slow`` compiles every config
+of the full grid (hours on 2 cores).
 """
 
 import json
@@ -107,6 +108,79 @@ def test_spilling_config_is_detected(tmp_path):
     assert not res["kept"], "the autotuner may pick a config that spills"
 
 
+def test_fp32_rows_with_sinks_kept_configs_do_not_spill(tmp_path):
+    # fp32 rows kernel, head dim 128, key spans with sinks: the pipelined 16x16 w4 s2 tile (the
+    # only one the FMA rule keeps) spilled 8 B on sm_80; every config kept now compiles clean on
+    # sm_80 and sm_90.
+    code = (
+        "import json; from lssar.ops.triton import compile_check as cc\n"
+        "case = cc.Case(128, 'fp32', True, 'lssar', False, 'sinks')\n"
+        "b = [x for x in cc.builds([case], (80, 90), kept_only=True) if x.kernel == 'rows']\n"
+        "rows = cc.run(b, 2)\n"
+        "print(json.dumps({'rows': rows, 'problems': cc.problems(rows)}))\n"
+    )
+    proc = _python(["-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["arch"] for r in res["rows"]} == {80, 90}
+    assert all(r["ok"] for r in res["rows"]), res["rows"]
+    assert not res["problems"], res["problems"]
+
+
+def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
+    # torch.backends.cuda.matmul.allow_tf32 (recorded through host.py, as a launch reads it)
+    # reaches every kernel: with it, the kept config closest to spilling of each kernel, fp32
+    # LSSAR at head dim 128, multiplies on tensor cores (HMMA on sm_80, HGMMA on sm_90 where a
+    # tile has 64 rows) without spilling; without it the same kernels have no tensor-core
+    # instruction (IEEE fp32 on FMA units).
+    code = (
+        "import json; from lssar.ops.triton import compile_check as cc\n"
+        "out = {}\n"
+        "for tf32 in (False, True):\n"
+        "    case = cc.Case(128, 'fp32', True, 'lssar', False, tf32=tf32)\n"
+        "    rows = cc.run(cc.builds([case], (80, 90), riskiest=1), 2)\n"
+        "    out[str(tf32)] = {'rows': rows, 'problems': cc.problems(rows)}\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = _python(["-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mode in ("False", "True"):
+        assert not res[mode]["problems"], res[mode]["problems"]
+        assert {(r["kernel"], r["arch"]) for r in res[mode]["rows"]} == {
+            (k, a) for k in ("fwd", "rows", "dq", "dkdv") for a in (80, 90)
+        }
+    for r in res["False"]["rows"]:
+        assert r["hmma"] == r["hgmma"] == 0, r
+    for r in res["True"]["rows"]:
+        assert r["hmma"] + r["hgmma"] > 0, r
+        bm = int(r["config"].split("x")[0])
+        if r["arch"] == 90 and r["kernel"] != "dkdv" and bm >= 64:
+            assert r["hgmma"] > 0, r
+        if r["arch"] == 80:
+            assert r["hgmma"] == 0 and r["hmma"] > 0, r
+    assert any(r["hgmma"] > 0 for r in res["True"]["rows"])
+
+
+def test_unpipelined_row_tile_is_only_a_fallback():
+    from lssar.ops.triton import autotune as A
+
+    def kept(kind, bd, ieee, spans):
+        prune = A._pruner(kind)
+        cfgs = prune(A._ROW_CONFIGS, {"tq_key": 1024}, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
+        return [(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in cfgs]
+
+    # measured: s2 spills on sm_80 with spans at head dim 128 (fp32 rows), s1 does not
+    assert kept("rows", 128, True, True) == [(16, 16, 4, 1)]
+    assert kept("rows", 128, True, False) == [(16, 16, 4, 2)]
+    for kind in ("fwd", "rows", "dq"):
+        for bd in (64, 128, 256):
+            for spans in (False, True):
+                if (kind, bd, spans) != ("rows", 128, True):
+                    assert all(c[3] > 1 for c in kept(kind, bd, True, spans)), (kind, bd, spans)
+                assert all(c[3] > 1 for c in kept(kind, bd, False, spans)), (kind, bd, spans)
+
+
 def test_problems_flags_errors_and_shared_memory():
     from lssar.ops.triton.compile_check import problems
 
@@ -125,23 +199,36 @@ def test_problems_flags_errors_and_shared_memory():
     assert "does not compile" in problems([{**base, "ok": False, "error": "x"}])[0]
 
 
-@pytest.mark.parametrize("ieee", [False, True])
+@pytest.mark.parametrize("precision", ["half", "ieee", "tf32"])
 @pytest.mark.parametrize("bd", [16, 32, 64, 128, 256])
-def test_pruning_keeps_a_config_and_drops_measured_spills(bd, ieee):
+def test_pruning_keeps_a_config_and_drops_measured_spills(bd, precision):
+    import torch
+
     from lssar.ops.triton import autotune as A
 
+    ieee, tf32 = precision == "ieee", precision == "tf32"
+    q = torch.zeros(1, dtype=torch.bfloat16 if precision == "half" else torch.float32)
     lists = {"fwd": A._ROW_CONFIGS, "rows": A._ROW_CONFIGS, "dq": A._ROW_CONFIGS}
     lists["dkdv"] = A._COL_CONFIGS
     for kind, configs in lists.items():
         for tq, spans in ((1, False), (1024, False), (1024, True)):
             prune = A._pruner(kind)
-            kept = prune(configs, {"tq_key": tq}, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
-            assert kept, (kind, bd, ieee)
+            args = {"tq_key": tq, "Q": q}
+            kept = prune(configs, args, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
+            assert kept, (kind, bd, precision)
+            assert A.precision(args, {"IEEE": ieee}) == (ieee, tf32)
             for c in kept:
-                key = (kind, bd, ieee, c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages)
+                tile = (c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages)
+                key = (kind, bd, ieee, *tile)
                 assert key not in A.MEASURED_SPILLS, key
-                assert not spans or key not in A.MEASURED_SPAN_SPILLS, key
-                assert A.fits(kind, c, bd, bd, ieee, spans), key
+                if tf32:
+                    assert (kind, bd, *tile) not in A.MEASURED_TF32_SPILLS, key
+                else:
+                    assert not spans or key not in A.MEASURED_SPAN_SPILLS, key
+                # TF32 at head dim 256: dq and dk/dv keep one tile over the budget (the
+                # fallback, measured not to spill)
+                if not (tf32 and bd == 256 and kind in ("dq", "dkdv")):
+                    assert A.fits(kind, c, bd, bd, ieee, spans, tf32), key
                 if kind != "dkdv" and tq == 1:
                     assert c.kwargs["BM"] == 16  # decoding: no taller row tiles to tune
 

@@ -251,6 +251,40 @@ def test_precise_through_attention():
     assert not torch.equal(fast, precise)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tf32_follows_torch_flag(monkeypatch, dtype):
+    """fp32 inputs multiply in IEEE fp32 (``IEEE=True``) unless torch allows TF32: then every
+    launch, forward and backward, gets ``IEEE=False`` (Triton's default for fp32 dots: tf32);
+    a Triton default other than tf32 keeps IEEE. Half inputs: never IEEE. (TF32 changes the
+    numerics on a GPU; the interpreter multiplies in fp32 either way. The compiled kernels'
+    tensor-core instructions are checked in tests/test_triton_compile.py.)"""
+    from triton import knobs
+
+    variant, opts = _variant("lssar", 15.0)
+    q, k, v = _inputs(1, 2, 2, 9, 9, 16, dtype)
+    args = (None, True, 2.77, True, True, 15.0, True)
+
+    def flags() -> list[bool]:
+        seen = []
+        monkeypatch.setattr(tk, "_launch", lambda *a, **kw: seen.append(kw["IEEE"]))
+        out, stats = tk._forward(q, k, v, *args)
+        tk._backward(torch.zeros_like(out), q, k, v, out, None, stats, *args[1:])
+        return seen
+
+    fp32 = dtype == torch.float32
+    matmul = torch.backends.cuda.matmul  # not a plain attribute: monkeypatch cannot restore it
+    before = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        assert flags() == [fp32] * 4
+        matmul.allow_tf32 = True
+        assert flags() == [False] * 4
+        monkeypatch.setattr(knobs.language, "fp32_default", "ieee")
+        assert flags() == [fp32] * 4
+    finally:
+        matmul.allow_tf32 = before
+
+
 def test_registered_and_reachable_through_attention():
     from lssar import attention
 

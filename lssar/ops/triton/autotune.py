@@ -8,13 +8,16 @@ keyed by the kernels' source, valid).
 
 from typing import Any
 
+import torch
 import triton
 
 from lssar.ops.triton.kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_rows_kernel, fwd_kernel
 
+# (the autotuner adds the tensors' dtypes; IEEE tells fp32 inputs in IEEE from fp32 on TF32 tensor
+# cores, which the host picks per launch from torch's flag)
 _TUNE_KEY = [
     "tq_key", "tk_key", "BD", "BDV", "CAUSAL", "HAS_MASK", "REWEIGHT", "P_INT", "SPLIT",
-    "HAS_SPANS", "HAS_SINKS",
+    "HAS_SPANS", "HAS_SINKS", "IEEE",
 ]  # fmt: skip
 
 
@@ -31,6 +34,12 @@ SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the sup
 # 80, does not; dk/dv at 256, 64x32, 8 warps: 152, spills; at 128, 32x32, 4 warps: 120, does
 # not. Tiles within the limits that spilled anyway are listed in MEASURED_SPILLS.
 REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
+# The same for fp32 inputs on TF32 tensor cores (IEEE=False): the MMA operands are 32-bit, twice
+# the registers of half-precision ones. Set from 192 kept builds (lssar d64/128/256 causal, d128
+# with sinks, non-causal with a mask, lssa d128; sm_80 and sm_90) under the half-precision budgets:
+# 9 spilled 12-40 B (fwd at 80 words, dq at 40-56, dk/dv at 54 and 70); ptxas runs several of the
+# rest at 250-255 registers. Tiles within these that spilled anyway: MEASURED_TF32_SPILLS.
+TF32_REG_BUDGET = {"fwd": 64, "rows": 48, "dq": 32, "dkdv": 44}
 # fp32 inputs multiply on FMA units (IEEE, no tensor cores): each thread then holds a slice of
 # both operands, which spills at any tile above a few score elements per thread (measured: 2 fit
 # at head dim 256; 4 spill there with a mask, and by 4 B at 128). dk/dv's transposed FMA products
@@ -39,13 +48,15 @@ REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
 FMA_SCORES_PER_THREAD = {"fwd": 2, "rows": 2, "dq": 2, "dkdv": 1}
 
 
-def _live_words(kind: str, bm: int, bn: int, warps: int, bd: int, bdv: int) -> float:
+def _live_words(
+    kind: str, bm: int, bn: int, warps: int, bd: int, bdv: int, esize: int = 2
+) -> float:
     """Estimated live fp32 words per thread in a kernel's loop: its fp32 accumulators and ~3
-    score-shaped fp32 tiles (scores, weights, dP / dS); dk/dv also reloads q and dO tiles (two
-    half-precision values per word) every iteration."""
+    score-shaped fp32 tiles (scores, weights, dP / dS); dk/dv also reloads q and dO tiles
+    (``esize``-byte inputs: two half-precision values per word) every iteration."""
     threads = 32 * warps
     acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * (bd + bdv)}[kind]
-    reloaded = bm * (bd + bdv) / 2 if kind == "dkdv" else 0
+    reloaded = bm * (bd + bdv) * esize / 4 if kind == "dkdv" else 0
     return (acc + reloaded + 3 * bm * bn) / threads
 
 
@@ -88,9 +99,12 @@ MEASURED_SPILLS = {
 # Tiles that spilled only with key spans (HAS_SPANS: the rows' bounds and the data-dependent loop
 # bounds hold a few more registers), measured on the spans cases lssar d64/d128/d256 bf16, lssar
 # d128 fp32 (window + sinks), lssa d128 bf16 (window + sinks), lssar d128 bf16 (window), sm_80
-# and sm_90 (4 to 124 B). Not listed: fp32 rows d128 16x16 w4 s2 (8 B on sm_80 with sinks), the
-# only tile the FMA rule keeps there.
+# and sm_90 (4 to 124 B). fp32 rows at head dim 128, 16x16 w4 s2 (the only pipelined tile the FMA
+# rule keeps there): 72 registers + 8 B spilled on sm_80 with sinks (ptxas 12.9, which Triton uses
+# below sm_90; 0 on sm_90); its unpipelined twin (16x16 w4 s1, a fallback: see _pruner) does not
+# spill there (72 registers on sm_80, 83 on sm_90), nor at head dim 64 / 256, with or without spans.
 MEASURED_SPAN_SPILLS = {
+    ("rows", 128, True, 16, 16, 4, 2),
     ("fwd", 128, False, 64, 64, 8, 2),
     ("dq", 64, False, 64, 32, 4, 2),
     ("rows", 256, False, 16, 64, 4, 2),
@@ -99,40 +113,110 @@ MEASURED_SPAN_SPILLS = {
 }
 
 
-def fits(kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bool = False) -> bool:
+# fp32 inputs on TF32 tensor cores (``IEEE=False``): tiles within TF32_REG_BUDGET (with 4-byte
+# tiles in shared memory) that ptxas spilled in some case, per (kernel, padded head dim, BM, BN,
+# num_warps, num_stages), measured by compile_check on sm_80 and sm_90 (4 to 44 B; ptxas often
+# caps these 256-thread blocks at 128 registers, or sits at 255), in the calibration cases above
+# and in seven more (lssar d64 / d256 non-causal with a mask, d64 / d256 with sinks, d128 with a
+# window; lssa d128 with sinks, lssa d64 causal).
+MEASURED_TF32_SPILLS = {
+    ("fwd", 64, 128, 32, 8, 2),  # 16 B, sm_80, lssar causal (over the budget too)
+    ("fwd", 128, 64, 64, 8, 2),  # 40 B, sm_80, lssar mask (over the budget too)
+    ("fwd", 128, 16, 32, 4, 2),  # 4 B, sm_90, lssar causal
+    ("dq", 128, 64, 32, 8, 2),  # 12 B, sm_90, lssar mask (over the budget too)
+    ("dq", 128, 16, 64, 4, 2),  # 12-28 B, sm_80 / sm_90, lssar mask, sinks (over the budget too)
+    ("dq", 256, 16, 32, 4, 2),  # 12 B, sm_90, lssar causal (over the budget too)
+    ("dkdv", 128, 16, 32, 8, 2),  # 12 B, sm_90, lssar sinks (over the budget too)
+    ("dkdv", 128, 16, 16, 4, 2),  # 12 B, sm_90, lssar mask (over the budget too)
+    ("fwd", 64, 64, 64, 8, 3),  # 44 B, sm_80, lssar sinks
+    ("fwd", 64, 64, 64, 8, 2),  # 44 B, sm_80, lssar sinks
+    ("rows", 64, 64, 64, 8, 3),  # 28 B, sm_80, lssar mask
+    ("rows", 64, 64, 64, 8, 2),  # 32 B, sm_80, lssar mask
+    ("dkdv", 64, 32, 32, 8, 2),  # 4 B, sm_90, lssar mask
+    ("dkdv", 64, 16, 32, 8, 2),  # 8 B, sm_80, lssa causal
+    ("dkdv", 256, 16, 16, 8, 1),  # 16 B, sm_80, lssar sinks (128 registers)
+}
+
+
+def fits(
+    kind: str,
+    cfg: triton.Config,
+    bd: int,
+    bdv: int,
+    ieee: bool,
+    spans: bool = False,
+    tf32: bool = False,
+) -> bool:
     """Whether ``cfg`` is expected to run without register spills within shared memory for a
     ``kind`` kernel ("fwd", "rows", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
-    fp32 inputs (4-byte tiles, FMA dots); ``spans``: launched with key spans (``HAS_SPANS``)."""
+    fp32 inputs in IEEE fp32 (4-byte tiles, FMA dots); ``tf32``: fp32 inputs on TF32 tensor cores
+    (``ieee`` False: 4-byte tiles, ``TF32_REG_BUDGET``, the half-precision tiles'
+    ``MEASURED_SPILLS`` and ``MEASURED_TF32_SPILLS``); ``spans``: launched with key
+    spans (``HAS_SPANS``)."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
-    key = (kind, max(bd, bdv), ieee, bm, bn, w, st)
-    if key in MEASURED_SPILLS or (spans and key in MEASURED_SPAN_SPILLS):
+    if _measured(kind, cfg, bd, bdv, ieee, spans, tf32):
         return False
-    if _shared_bytes(kind, bm, bn, st, bd, bdv, 4 if ieee else 2) > SHARED_BUDGET:
+    esize = 4 if ieee or tf32 else 2
+    if _shared_bytes(kind, bm, bn, st, bd, bdv, esize) > SHARED_BUDGET:
         return False
     if ieee:
         piped_ok = kind != "dkdv" or st == 1
         return piped_ok and bm * bn <= FMA_SCORES_PER_THREAD[kind] * 32 * w
-    return _live_words(kind, bm, bn, w, bd, bdv) <= REG_BUDGET[kind]
+    budget = TF32_REG_BUDGET if tf32 else REG_BUDGET
+    return _live_words(kind, bm, bn, w, bd, bdv, esize) <= budget[kind]
+
+
+def _measured(
+    kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bool, tf32: bool
+) -> bool:
+    """Whether ``cfg`` is in the measured-spill lists that apply to the launch."""
+    tile = (cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
+    key = (kind, max(bd, bdv), ieee, *tile)
+    if key in MEASURED_SPILLS:
+        return True
+    if tf32:  # measured with TF32 (with and without spans): its own list
+        return (kind, max(bd, bdv), *tile) in MEASURED_TF32_SPILLS
+    return spans and key in MEASURED_SPAN_SPILLS
+
+
+def precision(named_args: dict, kwargs: dict) -> tuple[bool, bool]:
+    """``(ieee, tf32)`` of a launch (its arguments as the autotuner passes them to the pruner):
+    fp32 inputs in IEEE (``IEEE=True``), or fp32 inputs with ``IEEE=False``, i.e. on TF32 tensor
+    cores (the host's choice from ``torch.backends.cuda.matmul.allow_tf32``)."""
+    ieee = bool(kwargs["IEEE"])
+    q = named_args.get("Q", kwargs.get("Q"))
+    return ieee, not ieee and getattr(q, "dtype", None) == torch.float32
+
+
+def _tile(cfg: triton.Config) -> tuple[int, int, int]:
+    return cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps
 
 
 def _pruner(kind: str):
     """The autotuner's ``early_config_prune`` for a ``kind`` kernel: drops configs that would
-    spill or not fit (:func:`fits`), and row tiles taller than the query block (decoding,
-    ``T_q = 1``: saves tuning time). Never returns an empty list: if nothing fits, the config
-    with the fewest estimated live words."""
+    spill or not fit (:func:`fits`), unpipelined row tiles (``num_stages=1``) where a pipelined
+    one fits, and row tiles taller than the query block (decoding, ``T_q = 1``: saves tuning
+    time). Never returns an empty list: if nothing fits, the config with the fewest estimated
+    live words."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list:
-        bd, bdv, ieee = kwargs["BD"], kwargs["BDV"], kwargs["IEEE"]
+        bd, bdv = kwargs["BD"], kwargs["BDV"]
+        ieee, tf32 = precision(named_args, kwargs)
         spans = bool(kwargs.get("HAS_SPANS", False))
-        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans)]
+        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans, tf32)]
         if kind != "dkdv":
+            # unpipelined row tiles are a fallback, kept only where every pipelined one is pruned
+            kept = [c for c in kept if c.num_stages > 1] or kept
             tq = named_args.get("tq_key", kwargs.get("tq_key", 1 << 30))
             short = [c for c in kept if c.kwargs["BM"] <= max(16, tq)]
             kept = short or kept[-1:]
-        if not kept:
-            kw = lambda c: _live_words(kind, c.kwargs["BM"], c.kwargs["BN"], c.num_warps, bd, bdv)  # noqa: E731
-            kept = [min(configs, key=kw)]
+        if not kept:  # the fewest live words, among the tiles not measured to spill if any
+            esize = 4 if ieee or tf32 else 2
+            pool = [c for c in configs if not _measured(kind, c, bd, bdv, ieee, spans, tf32)]
+            kept = [
+                min(pool or configs, key=lambda c: _live_words(kind, *_tile(c), bd, bdv, esize))
+            ]
         return kept
 
     return prune
@@ -140,9 +224,11 @@ def _pruner(kind: str):
 
 # Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
 # Large tiles first (the autotuner weighs those that fit at the launch's head dim and dtype),
-# then the small ones that fit at head dim 256 and with fp32 inputs. On sm_90 a 64-row tile with
-# 8 warps computes its element-wise work twice (both warpgroups hold the whole tile: twice the
-# MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4 warps come first.
+# then the small ones that fit at head dim 256 and with fp32 inputs, and last an unpipelined one
+# for launches where every pipelined tile spills (fp32 rows at head dim 128 with key spans). On
+# sm_90 a 64-row tile with 8 warps computes its element-wise work twice (both warpgroups hold the
+# whole tile: twice the MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4
+# warps come first.
 _ROW_CONFIGS = _configs(
     [
         (128, 32, 8, 2),
@@ -153,8 +239,12 @@ _ROW_CONFIGS = _configs(
         (16, 64, 4, 2),
         (16, 32, 4, 2),
         (16, 16, 4, 2),
+        (16, 16, 4, 1),
     ]
 )
+# No 64x64 dk/dv tile with 4 warps (the one whose four products all fit sm_90's wgmma, M % 64 == 0
+# per warpgroup): measured for bf16 LSSAR, every such tile spills (head dim 64: 24-80 B on sm_90,
+# 88-544 B on sm_80; 128: 0.5-1.4 KB); see benchmarks/RESULTS.md.
 _COL_CONFIGS = _configs(
     [
         (32, 64, 8, 2),

@@ -1,6 +1,6 @@
 """Ahead-of-time compile check of the Triton kernels for sm_80 / sm_90, on a machine without a GPU.
 
-``python -m lssar.ops.triton.compile_check [--grid reduced|full] [--arch 80 90] [--kept-only]
+``python -m lssar.ops.triton.compile_check [--grid reduced|full|tf32] [--arch 80 90] [--kept-only]
 [--riskiest N] [--jobs N] [--cache DIR] [--json FILE]`` (exit status 1 if :func:`problems` finds
 any: a build that does not compile, or a config the autotuner keeps that spills registers or
 exceeds shared memory).
@@ -73,7 +73,9 @@ class Case:
     """One combination of what a caller can choose: head dim, dtype, causal, variant, mask, and
     key spans (``spans``: "" none, "window" packed documents with a sliding window, "sinks" the
     same with sink tokens; the causal rule is then folded into the spans, as ``lssar.attention``
-    does, and the kernels run with ``HAS_SPANS`` / ``HAS_SINKS``)."""
+    does, and the kernels run with ``HAS_SPANS`` / ``HAS_SINKS``); ``tf32``: launched with
+    ``torch.backends.cuda.matmul.allow_tf32`` set (fp32 inputs then run on TF32 tensor cores,
+    ``IEEE=False``; no effect on half-precision inputs)."""
 
     head_dim: int
     dtype: str  # a key of _DTYPES
@@ -81,12 +83,14 @@ class Case:
     variant: str  # a name in lssar.ops.variants.VARIANTS
     mask: bool
     spans: str = ""  # a key of _SPANS
+    tf32: bool = False
 
     @property
     def label(self) -> str:
         """Short, stable description, e.g. ``lssar d128 bf16 causal``."""
         flags = ("causal" if self.causal else "full") + (" mask" if self.mask else "")
         flags += f" {self.spans}" if self.spans else ""
+        flags += " tf32" if self.tf32 else ""
         return f"{self.variant} d{self.head_dim} {self.dtype} {flags}"
 
 
@@ -98,11 +102,14 @@ def grid(name: str) -> list[Case]:
     """The cases of a named grid.
 
     ``full``: head dim 64/128/256 x bf16/fp16/fp32 x causal or not x lssa/lssar x mask or not,
-    and the same head dims, dtypes and variants with causal spans (window, window + sinks).
+    and the same head dims, dtypes and variants with causal spans (window, window + sinks), and
+    fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans).
     ``reduced`` (the default test run): the combinations whose resources differ most (head dim
     128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case;
     one with spans and sinks, the superset of the span code); causal, mask and spans add a few
-    integer ops per element and move no tile size.
+    integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases with TF32 allowed
+    that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a mask, sinks, a
+    window; lssa 64/128).
     """
     if name == "full":
         plain = [
@@ -120,7 +127,19 @@ def grid(name: str) -> list[Case]:
             for v in ("lssa", "lssar")
             for sp in ("window", "sinks")
         ]
-        return plain + spans
+        tf32 = [
+            Case(d, "fp32", c, v, m, tf32=True)
+            for d in (64, 128, 256)
+            for c in (True, False)
+            for v in ("lssa", "lssar")
+            for m in (False, True)
+        ] + [
+            Case(d, "fp32", True, v, False, sp, tf32=True)
+            for d in (64, 128, 256)
+            for v in ("lssa", "lssar")
+            for sp in ("window", "sinks")
+        ]
+        return plain + spans + tf32
     if name == "reduced":
         return [
             Case(128, "bf16", True, "lssar", False),
@@ -131,7 +150,26 @@ def grid(name: str) -> list[Case]:
             Case(128, "fp16", False, "lssar", True),
             Case(128, "bf16", True, "lssar", False, "sinks"),
         ]
-    raise ValueError(f"unknown grid {name!r}: 'reduced' or 'full'")
+    if name == "tf32":  # the cases TF32_REG_BUDGET and MEASURED_TF32_SPILLS were measured on
+        return [
+            Case(d, "fp32", c, v, m, sp, tf32=True)
+            for d, c, v, m, sp in [
+                (64, True, "lssar", False, ""),
+                (128, True, "lssar", False, ""),
+                (256, True, "lssar", False, ""),
+                (128, True, "lssar", False, "sinks"),
+                (128, True, "lssa", False, ""),
+                (128, False, "lssar", True, ""),
+                (64, False, "lssar", True, ""),
+                (256, False, "lssar", True, ""),
+                (64, True, "lssar", False, "sinks"),
+                (256, True, "lssar", False, "sinks"),
+                (128, True, "lssa", False, "sinks"),
+                (128, True, "lssar", False, "window"),
+                (64, True, "lssa", False, ""),
+            ]
+        ]
+    raise ValueError(f"unknown grid {name!r}: 'reduced', 'full' or 'tf32'")
 
 
 @dataclasses.dataclass
@@ -151,6 +189,18 @@ _NAMES = {
     "bwd_dq_kernel": "dq",
     "bwd_dkdv_kernel": "dkdv",
 }
+
+
+@contextlib.contextmanager
+def _allow_tf32(on: bool):
+    # torch's flag, which the host reads at launch (not a plain attribute: no mock.patch)
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
 
 
 def launches(case: Case) -> list[Launch]:
@@ -183,7 +233,7 @@ def launches(case: Case) -> list[Launch]:
         name = kernel.fn.__name__
         recorded.append(Launch(_NAMES.get(name, name), kernel, tuned, a, kw))
 
-    with mock.patch.object(host, "_launch", record):
+    with mock.patch.object(host, "_launch", record), _allow_tf32(case.tf32):
         out, stats = host._forward(q, k, v, *args, spans)
         mask_, causal, c_, log_n_, qk_norm, p_, precise = args
         host._backward(
@@ -247,8 +297,9 @@ def _risk(ln: Launch, cfg: triton.Config) -> tuple[float, int]:
     if ln.name not in A.REG_BUDGET:  # a kernel the estimates do not know: every config is risky
         return float("inf"), 0
     bm, bn, bd, bdv = cfg.kwargs["BM"], cfg.kwargs["BN"], ln.kwargs["BD"], ln.kwargs["BDV"]
-    esize = 4 if ln.kwargs["IEEE"] else 2
-    words = A._live_words(ln.name, bm, bn, cfg.num_warps, bd, bdv)
+    ieee, tf32 = A.precision(dict(zip(ln.kernel.arg_names, ln.args)), ln.kwargs)
+    esize = 4 if ieee or tf32 else 2
+    words = A._live_words(ln.name, bm, bn, cfg.num_warps, bd, bdv, esize)
     return words, A._shared_bytes(ln.name, bm, bn, cfg.num_stages, bd, bdv, esize)
 
 
@@ -439,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m lssar.ops.triton.compile_check", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--grid", default="reduced", choices=("reduced", "full"))
+    ap.add_argument("--grid", default="reduced", choices=("reduced", "full", "tf32"))
     ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=ARCHS)
     ap.add_argument(
         "--kept-only", action="store_true", help="only configs the autotuner's pruning keeps"

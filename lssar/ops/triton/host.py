@@ -28,6 +28,16 @@ fp32-computed reference; ``precise=False`` rounds once, as FlashAttention does (
 reference's error). ``precise`` is this implementation's option:
 ``lssar.attention(..., impl="triton", impl_options={"precise": False})``.
 
+TF32: fp32 inputs multiply in IEEE fp32 (FMA units, no tensor cores: the fp32 accuracy rule of
+the tests holds) unless ``torch.backends.cuda.matmul.allow_tf32`` is True at the call (False by
+default in torch; ``torch.set_float32_matmul_precision("high")`` sets it): then the host launches
+the kernels with ``IEEE=False`` (a constexpr), so every ``tl.dot`` on fp32 tiles takes Triton's
+default input precision, ``"tf32"`` (tensor cores, 10-bit mantissa inputs, fp32 accumulation).
+**TF32 changes the numerics**: errors near bf16's rather than fp32's; the fp32 accuracy rule
+(2x / 3x the reference's fp32 error) does not apply to it. The forward and the backward each read
+the flag when they launch. If ``TRITON_F32_DEFAULT`` sets another default than ``"tf32"``, the
+flag is ignored and fp32 stays IEEE (:func:`_tf32`).
+
 Limits: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (slow; for tests). ``float64``
 inputs run on :func:`lssar.ops.chunked.chunked_attention` (``lssar.attention`` routes them there;
 same math, exact in float64). No dropout. Block sizes are autotuned per (head dim, flags, length
@@ -87,6 +97,20 @@ def _p_int(p: float | None) -> int:
     if p is not None and p == int(p) and 1 <= p <= 127:
         return int(p)
     return 0
+
+
+def _tf32(dtype: torch.dtype) -> bool:
+    """Whether fp32 inputs may multiply on TF32 tensor cores: fp32, torch's
+    ``torch.backends.cuda.matmul.allow_tf32``, and Triton's default ``tl.dot`` precision for
+    fp32 is ``"tf32"`` (what ``IEEE=False`` then selects; ``TRITON_F32_DEFAULT`` can change it)."""
+    from triton import knobs
+
+    default = knobs.language.fp32_default
+    return (
+        dtype == torch.float32
+        and bool(torch.backends.cuda.matmul.allow_tf32)
+        and default in (None, "tf32")
+    )
 
 
 def _unit_scale(x: Tensor) -> Tensor:
@@ -187,7 +211,7 @@ class _Launch:
             QK_NORM=bool(qk_norm),
             REWEIGHT=p is not None,
             P_INT=_p_int(p),
-            IEEE=q.dtype == torch.float32,
+            IEEE=q.dtype == torch.float32 and not _tf32(q.dtype),  # False: TF32 (see above)
             UPCAST=_interpreting() and q.dtype == torch.bfloat16,
             SPLIT=bool(precise) and q.dtype in (torch.float16, torch.bfloat16),
             HAS_SPANS=spans is not None,

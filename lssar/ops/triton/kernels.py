@@ -34,11 +34,11 @@ the causal rule folded in by the host)
     over the query blocks of the hull of its keys' row ranges (computed on the host, where no
     monotonicity of the bounds is assumed). Without spans (constexpr) none of it is compiled in.
 
-``q . k`` is accumulated in fp32 from the raw inputs and scaled by fp32 inverse norms (computed
-on the host); statistics and accumulators are fp32 for every input dtype; fp32 inputs use IEEE
-fp32 dots (no TF32). ``SPLIT`` feeds fp32 weights / score gradients to the tensor cores as a
-``hi + lo`` pair in the input dtype (see :mod:`lssar.ops.triton.host`, ``precise``). Softplus is
-``max(s, 0) + log1p(exp2(-|s| log2 e))``: one MUFU.EX2 and a degree-8 polynomial log1p.
+``q . k`` is accumulated in fp32 from the raw inputs and scaled by fp32 inverse norms (host);
+statistics and accumulators are fp32 for every input dtype; fp32 inputs use IEEE fp32 dots, or
+TF32 tensor cores (``IEEE=False``) where torch allows TF32 (see the host). ``SPLIT`` feeds fp32
+weights / score gradients to the tensor cores as a ``hi + lo`` pair in the input dtype (host,
+``precise``). Softplus is ``max(s, 0) + log1p(exp2(-|s| log2 e))``: one EX2, a polynomial log1p.
 
 One module for the four kernels: they share the device functions above them (the compile check's
 cache is keyed by this source, line numbers included: host-side edits belong in the autotune or
