@@ -14,6 +14,7 @@ static caches), ``test_triton_kernels`` / ``test_flex`` (T_q != T_k on their sha
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -184,6 +185,16 @@ def decode_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def eager_calls(monkeypatch):
+    """Counts the calls of the eager decode (``chunked``'s step; ``cpu``'s fallback)."""
+    from lssar.ops import chunked
+
+    calls, real = [], chunked._eager_decode
+    monkeypatch.setattr(chunked, "_eager_decode", lambda *a: calls.append(a[1].shape) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize(
     "name,opts,tq,tk,pad",
     [
@@ -194,11 +205,17 @@ def decode_calls(monkeypatch):
         for pad in ("none", "padding")
     ],
 )
-def test_cpu_decode_entry_equals_last_rows_of_full_call(decode_calls, name, opts, tq, tk, pad):
-    """Without a gradient to record, a float32 step runs the decode entry (keys normalised as
-    they are read, key chunks' statistics added): the full call's rows within the rule."""
+def test_decode_without_a_gradient_equals_last_rows_of_full_call(
+    decode_calls, eager_calls, name, opts, tq, tk, pad
+):
+    """Without a gradient to record a step takes a decode path: ``cpu`` in float32 the kernel's
+    decode entry (keys normalised as they are read, key chunks' statistics added), ``chunked``
+    (and ``cpu``'s float64, which runs chunked) the eager decode: the full call's rows within
+    the rule (float64: to rounding)."""
     _check_step("cpu", name, opts, tq, tk, pad, backward=False)
-    assert len(decode_calls) == 1  # the float32 step (float64 runs chunked)
+    assert len(decode_calls) == 1 and len(eager_calls) == 1  # float32 entry, float64 eager
+    _check_step("chunked", name, opts, tq, tk, pad, backward=False)
+    assert len(decode_calls) == 1 and len(eager_calls) == 3
 
 
 def _cache(x: torch.Tensor, room: int) -> torch.Tensor:
@@ -208,12 +225,13 @@ def _cache(x: torch.Tensor, room: int) -> torch.Tensor:
     return buf[:, :, : x.shape[2]]
 
 
+@pytest.mark.parametrize("impl", ["cpu", "chunked"])
 @pytest.mark.parametrize("name,opts", [*VARIANTS[:2], ("lssar", {"p": 2.5}), ("softplus-l1", {})])
 @pytest.mark.parametrize("tq", [1, 5])
-def test_cpu_decode_entry_gqa_in_place_and_nan_padding(decode_calls, name, opts, tq):
+def test_decode_gqa_in_place_and_nan_padding(decode_calls, eager_calls, impl, name, opts, tq):
     """GQA (4 query heads on 2 kv heads) without repeating the cache, keys and values read in
     place from views of longer buffers, and NaN in every masked key and value (left padding):
-    never read into a result, and no copy of the cache made to zero it first."""
+    never read into a result (``attention()`` does not zero them first for a decode path)."""
     g = torch.Generator().manual_seed(7)
     tk, pad = 1500, 600
     q = torch.randn(2, 4, tq, 16, generator=g)
@@ -224,8 +242,9 @@ def test_cpu_decode_entry_gqa_in_place_and_nan_padding(decode_calls, name, opts,
     dirty_k[1, :, :pad], dirty_v[1, :, :pad] = float("nan"), float("inf")
     kw = dict(is_causal=True, variant=name, enable_gqa=True, **opts)
     with torch.no_grad():
-        out = lssar.attention(q, _cache(dirty_k, 9), _cache(dirty_v, 9), mask, impl="cpu", **kw)
-    assert decode_calls == [(2, 2, tk, 16)]  # the cache itself: 2 kv heads, not repeated
+        out = lssar.attention(q, _cache(dirty_k, 9), _cache(dirty_v, 9), mask, impl=impl, **kw)
+    # the cache itself: 2 kv heads, not repeated
+    assert (decode_calls if impl == "cpu" else eager_calls) == [(2, 2, tk, 16)]
     want = lssar.attention(q.double(), k.double(), v.double(), mask, impl="reference", **kw)
     assert torch.isfinite(out).all()
     assert err(out, want) < 2e-5 * (want.abs().max().item() + 1.0)
@@ -259,28 +278,29 @@ def test_cpu_decode_entry_reads_a_half_precision_cache(decode_calls, dtype, name
     ],
     ids=["window", "window-sinks", "documents"],
 )
-def test_cpu_decode_entry_with_windows_and_documents(decode_calls, kw):
-    """A step's spans: the entry reads only the keys the rows may see (a view of the cache for a
-    window), N_i counted within them, as the reference."""
+def test_decode_with_windows_and_documents(decode_calls, eager_calls, kw):
+    """A step's spans: the decode paths read only the keys the rows may see (a view of the
+    cache for a window), N_i counted within them, as the reference."""
     g = torch.Generator().manual_seed(8)
     tk = 1300
     q = torch.randn(1, 2, 3, 16, generator=g)
     k, v = torch.randn(1, 2, tk, 16, generator=g), torch.randn(1, 2, tk, 16, generator=g)
     if "cu_seqlens" in kw:  # documents: the 3 new queries end the second one
         kw = {**kw, "cu_seqlens": torch.tensor([0, 0, 3]), "cu_seqlens_k": kw["cu_seqlens"]}
-    for name, opts in VARIANTS[:2]:
-        decode_calls.clear()
+    for (name, opts), impl in itertools.product(VARIANTS[:2], ("cpu", "chunked")):
+        calls = decode_calls if impl == "cpu" else eager_calls
+        calls.clear()
         with torch.no_grad():
-            out = lssar.attention(q, k, v, variant=name, impl="cpu", **kw, **opts)
-        assert len(decode_calls) == 1 and decode_calls[0][2] < tk
+            out = lssar.attention(q, k, v, variant=name, impl=impl, **kw, **opts)
+        assert len(calls) == 1 and calls[0][2] < tk
         want = lssar.attention(*(t.double() for t in (q, k, v)), variant=name, **kw, **opts)
         assert err(out, want) < 2e-5 * (want.abs().max().item() + 1.0)
 
 
-def test_cpu_decode_entry_falls_back_where_every_weight_underflows(decode_calls):
+def test_cpu_decode_entry_falls_back_where_every_weight_underflows(decode_calls, eager_calls):
     """softplus-l1 with a large scale and keys opposite the query: every visible softplus
-    underflows float32, which the entry reports; the forward op's relative weights answer (the
-    NaN padding still hidden)."""
+    underflows float32, which the entry reports; the eager decode's relative weights answer
+    (the NaN padding still never read)."""
     q = torch.ones(1, 1, 1, 8)
     k, v = -torch.ones(1, 1, 40, 8), torch.randn(1, 1, 40, 8)
     mask = torch.ones(1, 1, 1, 40, dtype=torch.bool)
@@ -290,14 +310,14 @@ def test_cpu_decode_entry_falls_back_where_every_weight_underflows(decode_calls)
     kw = dict(variant="softplus-l1", scale=20.0)
     with torch.no_grad():
         out = lssar.attention(q, k, dirty_v, mask, impl="cpu", **kw)
-    assert len(decode_calls) == 1
+    assert len(decode_calls) == 1 and len(eager_calls) == 1
     want = lssar.attention(q.double(), k.double(), v.double(), mask, impl="reference", **kw)
     torch.testing.assert_close(out, want.float())  # uniform over the 30 visible keys
 
 
-def test_cpu_decode_without_the_kernel_hides_the_padding(monkeypatch):
-    """Where the kernel cannot be built the entry's fallback zeroes the masked entries itself
-    (attention() left them for the kernel to skip)."""
+def test_cpu_decode_without_the_kernel_hides_the_padding(monkeypatch, eager_calls):
+    """Where the kernel cannot be built the entry falls back to the eager decode, which zeroes
+    the masked values itself (attention() left them for the kernel to skip)."""
     from lssar.ops import cpu_kernel
 
     monkeypatch.setitem(cpu_kernel._loaded, "mod", None)
@@ -309,6 +329,7 @@ def test_cpu_decode_without_the_kernel_hides_the_padding(monkeypatch):
     dk[1, :, :20], dv[1, :, :20] = float("nan"), float("nan")
     with torch.no_grad():
         out = lssar.attention(q, dk, dv, mask, variant="lssar", p=15.0, impl="cpu")
+    assert len(eager_calls) == 1
     want = lssar.attention(q.double(), k.double(), v.double(), mask, variant="lssar", p=15.0)
     assert err(out, want) < 1e-5
 

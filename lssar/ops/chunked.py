@@ -29,9 +29,10 @@ from lssar.ops.common import (
     causal_mask,
     centred_rows,
     centring_mean,
+    combined_mask,
+    compute_dtype,
     count_visible,
     expand_kv,
-    hide_unseen,
     log_phi,
     uniform_tolerance,
     unit,
@@ -278,20 +279,68 @@ def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
     return outs
 
 
+def is_decode_step(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """At most :data:`DECODE_MAX_ROWS` queries and no gradient to record: a ``chunked`` call
+    then takes :func:`_eager_decode` (which reads no masked key or value)."""
+    return query.shape[-2] <= DECODE_MAX_ROWS and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    )
+
+
 def decode_applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """Whether a ``cpu`` call goes to the fused kernel's decode entry (:func:`softplus_decode_op`):
-    at most :data:`DECODE_MAX_ROWS` CPU queries, float32, bf16 or fp16 (the kernel converts a
-    half-precision cache chunk by chunk as it reads it), no gradient to record, keys and values
-    with unit last stride (a KV cache's buffers as they are)."""
+    a decode step (:func:`is_decode_step`) on CPU in float32, bf16 or fp16 (the kernel converts
+    a half-precision cache chunk by chunk as it reads it), keys and values with unit last stride
+    (a KV cache's buffers as they are)."""
     return (
-        query.shape[-2] <= DECODE_MAX_ROWS
+        is_decode_step(query, key, value)
         and query.device.type == "cpu"
         and query.dtype == key.dtype == value.dtype
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and key.stride(-1) == 1
         and value.stride(-1) == 1
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
     )
+
+
+def _inverse_norms(k: Tensor) -> Tensor:
+    """``(1 / ||k_j||`` per key ``(.., T_k)``, ``k``) from one pass over ``k``: a zero key gets 0
+    (cosine 0, as :func:`lssar.ops.common.unit` makes it). Where some key's squares could over-
+    or underflow, or it holds NaN / inf (rare), unit's scaled form, and the non-finite keys
+    zeroed in the returned ``k``, as unit zeroes them."""
+    norm = torch.linalg.vector_norm(k, dim=-1)
+    ok = (norm < 1e15) & ((norm > 1e-15) | (norm == 0))
+    if not bool(ok.all()):
+        big = k.abs().amax(-1)
+        big = torch.where((big > 0) & torch.isfinite(big), big, torch.ones_like(big))
+        norm = torch.linalg.vector_norm(k / big.unsqueeze(-1), dim=-1) * big
+        k = torch.where(torch.isfinite(norm).unsqueeze(-1), k, torch.zeros_like(k))
+        norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+    return torch.where(norm > 0, 1.0 / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0), k
+
+
+def _eager_decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p) -> Tensor:
+    """The decode entry's arithmetic in torch ops (``chunked``, and ``cpu`` where its kernel
+    cannot run): a kv head's query heads as one block of rows (GQA without repeating the cache),
+    each key's inverse norm from one pass over K, the scores from one product on the raw keys,
+    and only V's masked rows zeroed (a masked key's score is selected out). ``q`` as for
+    :func:`softplus_decode_op`; the output in the compute dtype (float64 for float64)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, hq, t_q, d = q.shape
+    hk, t_k = k.shape[1], k.shape[2]
+    rows = hq // hk * t_q  # the query heads of a kv head, stacked
+    qg = q.to(dtype).reshape(B, hk, rows, d)
+    kf, vf = k.to(dtype), v.to(dtype)
+    m = combined_mask(as_4d(mask), is_causal, t_q, t_k, q.device)
+    if m is not None:
+        m = as_4d(m).expand(B, hq, t_q, t_k).reshape(B, hk, rows, t_k)
+        vf = torch.where(m.any(-2).unsqueeze(-1), vf, torch.zeros_like(vf))
+    n = count_visible(m, t_k).to(dtype) if m is not None else qg.new_full((1, 1, 1, 1), t_k)
+    c = _row_scale(n, scale, log_n)
+    if qk_norm:
+        inv, kf = _inverse_norms(kf)
+        c = c * inv.unsqueeze(-2)  # (B, H_k, rows, T_k): the cosine's scale per key
+    _, num, den, _ = _weights(qg, c, kf, m, n, p)
+    return ((num @ vf) / den).reshape(B, hq, t_q, v.shape[-1])
 
 
 @torch.library.custom_op("lssar::softplus_decode", mutates_args=())
@@ -311,8 +360,7 @@ def softplus_decode_op(
     a multiple of ``H_k``; the output in float32. Each key and value is read once, in place, by
     the fused kernel's decode entry, which reads no masked key or value
     (:func:`lssar.ops.registry.attention` leaves them as they are); where that kernel cannot run
-    (not built, or a row whose every softplus underflowed), the forward op on hidden,
-    normalised, repeated keys."""
+    (not built, or a row whose every softplus underflowed), :func:`_eager_decode`."""
     from lssar.ops.cpu_kernel import kernel
 
     B, hq, t_q, _ = q.shape
@@ -325,12 +373,7 @@ def softplus_decode_op(
         )
         if not underflow:
             return out
-    # attention() left the masked entries for the kernel to skip: zero them for the forward op
-    q, k, v = hide_unseen(q, k, v, as_4d(mask), is_causal)
-    k, v = expand_kv(q, k, v)
-    if qk_norm:
-        k = unit(k)
-    return softplus_attention_op(q, k, v.float(), mask, is_causal, scale, log_n, p, 0, True)
+    return _eager_decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p)
 
 
 @softplus_decode_op.register_fake
@@ -338,17 +381,19 @@ def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])  # float32, as q
 
 
-def _decode(query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans) -> Tensor:
-    """:func:`softplus_decode_op` for a call :func:`decode_applies` to; with ``spans`` over only
-    the keys the rows may see (a view of the cache for documents and windows)."""
+def _decode(query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans, fused) -> Tensor:
+    """A decode step: :func:`softplus_decode_op` (``fused``, where :func:`decode_applies`) or
+    :func:`_eager_decode`; with ``spans`` over only the keys the rows may see (a view of the
+    cache for documents and windows)."""
     dtype = value.dtype
-    query = unit(query) if qk_norm else query.float()
+    query = unit(query) if qk_norm else query.to(compute_dtype(query.dtype))
     if spans is not None:
         keys, mask = block_visibility(spans, as_4d(mask), 0, query.shape[-2])
         if keys is None:  # no row sees a key
             return value.new_zeros(query.shape[:-1] + value.shape[-1:])
         key, value, is_causal = key[:, :, keys], value[:, :, keys], False
-    out = softplus_decode_op(query, key, value, mask, is_causal, c, log_n, qk_norm, p)
+    args = (query, key, value, mask, is_causal, c, log_n, qk_norm, p)
+    out = softplus_decode_op(*args) if fused else _eager_decode(*args)
     return out.to(dtype)
 
 
@@ -519,9 +564,9 @@ def _softplus_attention(
         raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
     c, log_n = variant.softplus_scale(query.shape[-1], scale)
     p = options.get("p")
-    if fused and decode_applies(query, key, value):
+    if decode_applies(query, key, value) if fused else is_decode_step(query, key, value):
         p = None if p is None else float(p)
-        args = (attn_mask, is_causal, float(c), log_n, variant.qk_norm, p, spans)
+        args = (attn_mask, is_causal, float(c), log_n, variant.qk_norm, p, spans, fused)
         return _decode(query, key, value, *args)
     if enable_gqa:
         key, value = expand_kv(query, key, value)

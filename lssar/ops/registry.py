@@ -127,6 +127,14 @@ def _cpu() -> Callable[..., Tensor]:
     return cpu_attention
 
 
+def _chunked_decode(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """The ``chunked`` call is a decode step on its eager decode (which zeroes only the masked
+    values it needs zeroed)."""
+    from lssar.ops.chunked import is_decode_step
+
+    return is_decode_step(query, key, value)
+
+
 def _cpu_decode(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """The ``cpu`` call is a decode step on the kernel's decode entry (which reads no masked
     key or value)."""
@@ -200,6 +208,7 @@ for _entry in (
         options={"block": 0},
         torch_func=False,
         spans=True,
+        hides=_chunked_decode,
     ),
     Impl(
         "cpu",
