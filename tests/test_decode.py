@@ -153,9 +153,9 @@ def test_decode_step_every_impl_and_cache(impl, name, opts, tq, tk, pad):
 
 def test_auto_decode_picks_an_implementation_that_runs_the_variant():
     """auto at a decode shape: SDPA for softmax; for lssar in float32 / bf16 without a gradient
-    the fused kernel's decode entry at every cache length; with a gradient to record (or in
-    float64) the fused kernel once T_q x T_k reaches registry.AUTO_CHUNK_MIN_SCORES, the
-    materialised reference (O(T_k) per row) below."""
+    the fused kernel's decode entry at every cache length (float64: chunked's eager decode);
+    with a gradient to record the fused kernel once T_q x T_k reaches
+    registry.AUTO_CHUNK_MIN_SCORES, the materialised reference (O(T_k) per row) below."""
     q = torch.empty(1, 1, 1, 8)
     short, long = torch.empty(1, 1, 1024, 8), torch.empty(1, 1, registry.AUTO_CHUNK_MIN_SCORES, 8)
     assert registry.resolve("softmax", "auto", q, long, 0.0, {}).impl == "sdpa"
@@ -163,8 +163,8 @@ def test_auto_decode_picks_an_implementation_that_runs_the_variant():
         assert registry.resolve("lssar", "auto", q, short, 0.0, {}).impl == "cpu"
         half = q.bfloat16(), short.bfloat16()  # converted chunk by chunk in the kernel
         assert registry.resolve("lssar", "auto", *half, 0.0, {}).impl == "cpu"
-        wide = q.double(), short.double()
-        assert registry.resolve("lssar", "auto", *wide, 0.0, {}).impl == "reference"
+        wide = q.double(), short.double()  # the eager decode of chunked
+        assert registry.resolve("lssar", "auto", *wide, 0.0, {}).impl == "chunked"
     assert registry.resolve("lssar", "auto", q.requires_grad_(), short, 0.0, {}).impl == "reference"
     assert registry.resolve("lssar", "auto", q, long, 0.0, {}).impl == "cpu"
 

@@ -281,7 +281,7 @@ def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
 
 def is_decode_step(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """At most :data:`DECODE_MAX_ROWS` queries and no gradient to record: a ``chunked`` call
-    then takes :func:`_eager_decode` (which reads no masked key or value)."""
+    then takes :func:`_eager_decode` (which lets no masked key or value into a result)."""
     return query.shape[-2] <= DECODE_MAX_ROWS and not (
         torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     )
@@ -302,7 +302,7 @@ def decode_applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
     )
 
 
-def _inverse_norms(k: Tensor) -> Tensor:
+def _inverse_norms(k: Tensor) -> tuple[Tensor, Tensor]:
     """``(1 / ||k_j||`` per key ``(.., T_k)``, ``k``) from one pass over ``k``: a zero key gets 0
     (cosine 0, as :func:`lssar.ops.common.unit` makes it). Where some key's squares could over-
     or underflow, or it holds NaN / inf (rare), unit's scaled form, and the non-finite keys

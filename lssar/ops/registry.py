@@ -42,7 +42,7 @@ class Impl:
     do not). ``alibi``: it takes ``alibi_slopes`` (ALiBi's score bias) for the variants it runs
     whose scores can be biased (:data:`ALIBI_VARIANTS`). ``spans``: it takes ``spans=``
     (:class:`lssar.ops.spans.KeySpans`: packed documents, sliding windows, sink tokens).
-    ``hides(query, key, value)``: for this call the impl never reads a masked key or value into a
+    ``hides(query, key, value)``: for this call the impl lets no masked key or value into a
     result, so :func:`attention` need not zero them first (:func:`hide_unseen`: a pass over the
     whole cache in a decode step).
     """
@@ -128,8 +128,8 @@ def _cpu() -> Callable[..., Tensor]:
 
 
 def _chunked_decode(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """The ``chunked`` call is a decode step on its eager decode (which zeroes only the masked
-    values it needs zeroed)."""
+    """The ``chunked`` call is a decode step on its eager decode (which lets no masked key or
+    value into a result)."""
     from lssar.ops.chunked import is_decode_step
 
     return is_decode_step(query, key, value)
@@ -339,6 +339,8 @@ def _auto(
         return "reference"
     if _cpu_decode(query, key, key):
         return "cpu"  # its decode entry: the cache read once, in place (benchmarks/decode.py)
+    if _chunked_decode(query, key, key):
+        return "chunked"  # its eager decode (float64; CUDA without Triton)
     if query.shape[-2] * key.shape[-2] >= AUTO_CHUNK_MIN_SCORES:
         return "cpu" if query.device.type == "cpu" else "chunked"
     return "reference"
@@ -552,12 +554,13 @@ def _attention(
         empty = query[..., :0].sum() + key.sum() + value.sum()  # 0, keeps the graph
         return empty + query.new_zeros(query.shape[:-1] + value.shape[-1:])
     hides = BACKENDS[impl].hides
-    if hides is not None and hides(query, key, value):
-        pass  # the impl reads no masked entry for this call: no pass over the cache to zero it
-    elif spans is None:
-        query, key, value = hide_unseen(query, key, value, attn_mask, is_causal)
-    else:
-        query, key, value = hide_unseen_spans(query, key, value, attn_mask, spans)
+    # an impl that lets no masked entry into this call's result (a decode path) is spared the
+    # pass over the whole cache that zeroes them
+    if hides is None or not hides(query, key, value):
+        if spans is None:
+            query, key, value = hide_unseen(query, key, value, attn_mask, is_causal)
+        else:
+            query, key, value = hide_unseen_spans(query, key, value, attn_mask, spans)
     if scale is not None and v.scaling in ("log_n", "const"):
         raise ValueError(
             f"variant {v.name!r} uses the length scale ln(D) ln(N) and takes no `scale`; "
