@@ -34,6 +34,15 @@ def _python(code_or_args: list[str], tmp: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _run_json(tmp: Path, body: str) -> dict:
+    """``body`` run in a fresh interpreter with ``json`` and ``compile_check as cc`` imported;
+    the JSON of its last printed line."""
+    code = "import json; from lssar.ops.triton import compile_check as cc\n" + body
+    proc = _python(["-c", code], tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _check(tmp: Path, *flags: str) -> tuple[list[dict], str]:
     out = tmp / "rows.json"
     proc = _python(["-m", "lssar.ops.triton.compile_check", *flags, "--json", str(out)], tmp)
@@ -90,18 +99,15 @@ def test_spilling_config_is_detected(tmp_path):
     # The check must be able to fail: a tile measured to spill (dq, head dim 128, 64x64, 8 warps,
     # 3 stages on sm_90: ~200 B) is compiled, flagged by problems() when the autotuner could pick
     # it, and the autotuner's pruning must not keep it.
-    code = (
-        "import json; from lssar.ops.triton import compile_check as cc\n"
+    res = _run_json(
+        tmp_path,
         "b = [x for x in cc.builds([cc.Case(128, 'bf16', True, 'lssar', False)], (90,))\n"
         "     if x.kernel == 'dq' and x.config == '64x64 w8 s3']\n"
         "kept = b[0].kept\n"
         "b[0].kept = True\n"
         "rows = cc.run(b, 1)\n"
-        "print(json.dumps({'kept': kept, 'rows': rows, 'problems': cc.problems(rows)}))\n"
+        "print(json.dumps({'kept': kept, 'rows': rows, 'problems': cc.problems(rows)}))\n",
     )
-    proc = _python(["-c", code], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
     row = res["rows"][0]
     assert row["ok"] and row["spill_store"] > 0, row
     assert any("spills" in p for p in res["problems"])
@@ -112,16 +118,13 @@ def test_fp32_rows_with_sinks_kept_configs_do_not_spill(tmp_path):
     # fp32 rows kernel, head dim 128, key spans with sinks: the pipelined 16x16 w4 s2 tile (the
     # only one the FMA rule keeps) spilled 8 B on sm_80; every config kept now compiles clean on
     # sm_80 and sm_90.
-    code = (
-        "import json; from lssar.ops.triton import compile_check as cc\n"
+    res = _run_json(
+        tmp_path,
         "case = cc.Case(128, 'fp32', True, 'lssar', False, 'sinks')\n"
         "b = [x for x in cc.builds([case], (80, 90), kept_only=True) if x.kernel == 'rows']\n"
         "rows = cc.run(b, 2)\n"
-        "print(json.dumps({'rows': rows, 'problems': cc.problems(rows)}))\n"
+        "print(json.dumps({'rows': rows, 'problems': cc.problems(rows)}))\n",
     )
-    proc = _python(["-c", code], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {r["arch"] for r in res["rows"]} == {80, 90}
     assert all(r["ok"] for r in res["rows"]), res["rows"]
     assert not res["problems"], res["problems"]
@@ -133,18 +136,15 @@ def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
     # LSSAR at head dim 128, multiplies on tensor cores (HMMA on sm_80, HGMMA on sm_90 where a
     # tile has 64 rows) without spilling; without it the same kernels have no tensor-core
     # instruction (IEEE fp32 on FMA units).
-    code = (
-        "import json; from lssar.ops.triton import compile_check as cc\n"
+    res = _run_json(
+        tmp_path,
         "out = {}\n"
         "for tf32 in (False, True):\n"
         "    case = cc.Case(128, 'fp32', True, 'lssar', False, tf32=tf32)\n"
         "    rows = cc.run(cc.builds([case], (80, 90), riskiest=1), 2)\n"
         "    out[str(tf32)] = {'rows': rows, 'problems': cc.problems(rows)}\n"
-        "print(json.dumps(out))\n"
+        "print(json.dumps(out))\n",
     )
-    proc = _python(["-c", code], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
     for mode in ("False", "True"):
         assert not res[mode]["problems"], res[mode]["problems"]
         assert {(r["kernel"], r["arch"]) for r in res[mode]["rows"]} == {
