@@ -62,7 +62,7 @@ MIN_KEYS = tl.constexpr(float(REWEIGHT_MIN_KEYS))
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    # IEEE: fp32 inputs must not be rounded to tf32 (the reference is exact fp32).
+    # IEEE: exact fp32 dots for fp32 inputs; False lets them round to tf32 (host: allow_tf32).
     # UPCAST: the Triton 3.9 interpreter computes bf16 dots on the raw bits; fp32 is exact there.
     if UPCAST:
         res = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
