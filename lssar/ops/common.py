@@ -267,6 +267,14 @@ def hide_unseen(
         full = combined_mask(mask, is_causal, t_q, t_k, mask.device)
         seen_k = full.any(-2, keepdim=True).transpose(-1, -2)  # (B|1, H|1, T_k|1, 1)
         seen_q = full.any(-1, keepdim=True)  # (B|1, H|1, T_q|1, 1)
+    return zero_unseen(query, key, value, seen_q, seen_k)
+
+
+def zero_unseen(
+    query: Tensor, key: Tensor, value: Tensor, seen_q: Tensor, seen_k: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The queries where ``seen_q`` ``(B|1, H_q|1, T_q|1, 1)`` holds, and the keys and values
+    where ``seen_k`` ``(B|1, H|1, T_k|1, 1)`` (per query head or kv head) holds; zeros elsewhere."""
     hq, hk = query.shape[1], key.shape[1]
     if seen_k.shape[1] == hq and hq != hk:  # GQA: a kv head is seen if any of its group sees it
         seen_k = seen_k.reshape(seen_k.shape[0], hk, hq // hk, *seen_k.shape[2:]).any(2)

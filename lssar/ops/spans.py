@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lssar.ops.common import zero_unseen
+
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -279,9 +281,4 @@ def hide_unseen_spans(
             seen_k = seen_k & m.transpose(-1, -2)
         else:
             seen_k = (m & spans.dense()).any(-2, keepdim=True).transpose(-1, -2)
-    hq, hk = query.shape[1], key.shape[1]
-    if seen_k.shape[1] == hq and hq != hk:  # GQA: a kv head is seen if any of its group sees it
-        seen_k = seen_k.reshape(seen_k.shape[0], hk, hq // hk, *seen_k.shape[2:]).any(2)
-    zero = torch.zeros((), dtype=query.dtype, device=query.device)
-    key, value = torch.where(seen_k, key, zero), torch.where(seen_k, value, zero)
-    return torch.where(n > 0, query, zero), key, value
+    return zero_unseen(query, key, value, n > 0, seen_k)
