@@ -15,6 +15,11 @@ implementation and a registered autograd formula), so ``torch.compile`` traces t
 same arithmetic in two passes over each cache-resident row instead of a dozen eager passes over
 the slab. Whatever it does not take (float64, CUDA, rows whose every weight underflows, a machine
 that cannot build it) runs on the eager path below.
+
+A decode step (a few queries, no gradient) takes :func:`softplus_decode_op` (``cpu``) or
+:func:`_eager_decode` (``chunked``). At ~630 lines this stays one module for now: the blocked
+forward, backward and both decode paths share one weight rule (:func:`_weights`, the row scale,
+the underflow shift); the decode paths are the part to move out next, with that rule.
 """
 
 from __future__ import annotations
