@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import numpy as np
 
 from lssar.studies.findings import (
     check_text,
@@ -10,6 +13,7 @@ from lssar.studies.findings import (
     findings_section,
     main,
 )
+from lssar.studies.lm.figures import label_of
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = "reports/cpu-baselines-2026-12-03"
@@ -55,3 +59,49 @@ def test_equivalence_words_are_flagged_outside_markers():
     text = "What the committed reports show\n- LSSAR matches softmax at 1x.\n## Next\nties"
     assert equivalence_words(findings_section(text)) == ["matches"]
     assert equivalence_words('- as well as <!-- check a: loss "x" @1 = 1 -->') == ["as well as"]
+
+
+CPU = "reports/cpu-2026-12-03"
+
+
+def _cpu(sentence: str, marker: str) -> list:
+    return check_text(f"\n- {sentence}\n  <!-- check {CPU}: {marker} -->\n", ROOT)
+
+
+def test_claim_markers_are_held_to_the_reports_holm_verdicts():
+    assert _cpu("x", 'claim "LSSAR beats softmax at" = supported')[0].problem is None
+    wrong = _cpu("x", 'claim "LSSAR beats softmax at" = within noise')[0].problem
+    assert "verdict is 'supported', not 'within noise'" in wrong
+    flat = _cpu("x", 'claim "LSSAR (p=15) loss stays nearly flat" = contradicted')
+    assert flat[0].problem is None
+    # "equivalent" only for an equivalence claim that TOST supports
+    tost = _cpu("x", 'claim "LSSAR matches softmax at the training" = equivalent')
+    assert tost[0].problem is None
+    directional = _cpu("x", 'claim "LSSAR beats softmax at" = equivalent')[0].problem
+    assert "directional" in directional
+    ambiguous = _cpu("x", 'claim "Fine-tuning-free" = contradicted')[0].problem
+    assert "4 declared claims start with" in ambiguous
+    assert "cannot read 'flat'" in _cpu("x", 'claim "LSSAR beats softmax at" = flat')[0].problem
+
+
+def test_only_a_checked_equivalence_claim_lets_a_bullet_say_matches():
+    ok = 'LSSAR matches softmax at 1x. <!-- check r: claim "LSSAR matches" = equivalent -->'
+    assert equivalence_words(f"- {ok}\n- softmax ties ALiBi") == ["ties"]
+    other = '- LSSAR matches softmax. <!-- check r: claim "LSSAR beats" = supported -->'
+    assert equivalence_words(other) == ["matches"]
+
+
+def test_passkey_by_distance_and_sink_beyond_the_training_length():
+    results = json.loads((ROOT / CPU / "results.json").read_text())["results"]
+    soft = [r for r in results if label_of(r) == "softmax"]
+    at = str(16 * soft[0]["train_len"])
+    hits = [r["passkey"]["by_distance"][at]["beyond"] for r in soft]
+    want = sum(h["hits"] / h["n"] for h in hits) / len(hits)
+    got = _cpu("36.1 ± 23.9%", 'passkey "softmax" @16 beyond = 36.1 ± 23.9%')[0]
+    assert got.problem is None and abs(got.got.mean - want) < 1e-12
+    sinks = [np.mean(r["diagnostics"][at]["sink_beyond"]) for r in soft]
+    uniform = [r["diagnostics"][at]["uniform_sink_beyond"] for r in soft]
+    rel = _cpu("x", 'sink "softmax" / "uniform" @16 beyond = 0')[0].got
+    assert abs(rel.mean - np.mean([s / u - 1 for s, u in zip(sinks, uniform)])) < 1e-12
+    every_row = _cpu("x", 'sink "softmax" @16 = 0')[0].got.mean
+    assert abs(every_row - np.mean([np.mean(r["diagnostics"][at]["sink"]) for r in soft])) < 1e-12

@@ -16,15 +16,26 @@ marker's quantity from the report's ``results.json`` with the reports' own stati
 - the marker's verdict disagrees with the interval: ``sig`` (the interval excludes 0: "beats",
   "worse", "supported") or ``ns`` (it includes 0: "within noise", "not separable");
 - the findings use "matches", "ties" or "as well as", which only an equivalence test may say:
-  the LM reports print those verdicts themselves (TOST against a stated margin).
+  such a bullet must carry a ``claim "..." = equivalent`` marker (below), checked true.
 
-Quantities (``@M``: the length multiple; ``beyond`` / ``within`` / ``all``: recall's distance):
+Quantities (``@M``: the length multiple; ``beyond`` / ``within`` / ``all``: recall's and
+passkey's distance from the question, and for ``sink`` the rows past the training length):
 
 - ``loss "A" @16``, ``loss "A" - "B" @16``, ``loss "A" / "B" @1`` (relative: A / B - 1),
   ``loss "A" @16/1`` (the 16x / 1x ratio): validation loss of the LM reports;
-- ``passkey "A" @2``: passkey accuracy (mean over depths) of the LM reports;
-- ``sink "A" @16``: first-token attention mass (mean over layers) of the LM reports;
+- ``passkey "A" @2``: passkey accuracy (mean over depths) of the LM reports; ``passkey "A" @2
+  beyond``: over the probes whose key lies beyond the training length from the question;
+- ``sink "A" @16``: first-token attention mass (mean over layers) of the LM reports, ``sink "A"
+  @16 beyond`` over the rows past the training length; the arm ``"uniform"`` is uniform
+  attention's mass over the same rows (``sink "lssa" / "uniform" @16 beyond``: how far above
+  uniform);
 - ``recall "A" @16 beyond``, ``recall "A" - "B" @16 beyond``: recall accuracy.
+
+A declared claim of an LM report (its "The paper's claims" list) is checked by its verdict after
+Holm's correction, recomputed from ``results.json``: ``claim "LSSAR beats softmax at" =
+supported`` names the one claim whose text starts so; the verdict is ``supported``,
+``contradicted``, ``within noise`` or ``not separable at this power``, or ``equivalent`` for an
+equivalence claim (TOST) that is supported, the only marker that lets its bullet say "matches".
 
 Percent-valued text (``60.1 ± 6.9%``, ``−37.6 ± 9.3 points``) is compared as a fraction x 100.
 """
@@ -44,6 +55,8 @@ MARKER = re.compile(
     r"(?:;\s*(?P<verdict>sig|ns))?\s*-->",
     re.S,
 )
+_CLAIM = re.compile(r'claim\s+"(?P<prefix>[^"]+)"$')
+_VERDICTS = ("supported", "contradicted", "within noise", "not separable at this power")
 _EXPR = re.compile(
     r'(?P<q>loss|passkey|sink|recall)\s+"(?P<a>[^"]+)"'
     r'(?:\s*(?P<op>[-/])\s*"(?P<b>[^"]+)")?'
@@ -70,6 +83,13 @@ class Check:
 def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> dict[int, float]:
     """seed -> the quantity ``q`` of ``arm`` at multiple ``m`` in the report's results.json."""
     data = json.loads((report / "results.json").read_text())
+    if q == "sink" and arm == "uniform":  # uniform attention over the same rows, per seed
+        key = "uniform_sink_beyond" if dist == "beyond" else "uniform_sink"
+        return {
+            r["config"]["seed"]: r["diagnostics"][str(m * r["train_len"])][key]
+            for r in data["results"]
+            if str(m * r["train_len"]) in r.get("diagnostics", {})
+        }
     if q == "recall":
         rows = data["rows"]
         out = {
@@ -87,12 +107,16 @@ def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> di
             length = str(m * r["train_len"])
             if q == "loss":
                 v = r["loss"].get(length)
+            elif q == "passkey" and dist in ("beyond", "within"):
+                b = (r.get("passkey") or {}).get("by_distance", {}).get(length, {}).get(dist)
+                v = b["hits"] / b["n"] if b and b["n"] else None
             elif q == "passkey":
                 acc = (r.get("passkey") or {}).get("accuracy", {}).get(length)
                 v = None if not acc else sum(acc.values()) / len(acc)
-            else:  # sink: first-token mass, mean over layers
+            else:  # sink: first-token mass, mean over layers (rows past L for "beyond")
                 d = r["diagnostics"].get(length)
-                v = None if not d else sum(d["sink"]) / len(d["sink"])
+                key = "sink_beyond" if dist == "beyond" else "sink"
+                v = None if not d or key not in d else sum(d[key]) / len(d[key])
             if v is not None:
                 out[r["config"]["seed"]] = v
     if not out:
@@ -118,6 +142,40 @@ def quantity(report: Path, expr: str) -> Interval:
     if op == "-":
         return mean_ci([va[s] - vb[s] for s in seeds])
     return mean_ci([va[s] / vb[s] - 1 for s in seeds])
+
+
+def claim_verdict(report: Path, prefix: str) -> tuple[str, bool]:
+    """(verdict after Holm, whether it is an equivalence claim) of the declared claim of the LM
+    report whose text starts with ``prefix``, recomputed from its results.json as the report
+    does."""
+    from lssar.studies.lm.figures import group
+    from lssar.studies.lm.verdicts import declared_claims, losses_of
+    from lssar.studies.stats import judge_claims
+
+    results = json.loads((report / "results.json").read_text())["results"]
+    train = results[0]["train_len"]
+    multiples = sorted({int(n) // train for r in results for n in r["loss"]})
+    claims = declared_claims(losses_of(group(results), multiples), multiples)
+    hits = [
+        (c, final)
+        for c, (_raw, final, _note) in zip(claims, judge_claims(claims))
+        if c.text.startswith(prefix)
+    ]
+    if len(hits) != 1:
+        raise KeyError(f"{len(hits)} declared claims start with {prefix!r}: name exactly one")
+    c, final = hits[0]
+    return final, c.margin is not None
+
+
+def _claim_problem(report: Path, prefix: str, text: str) -> str | None:
+    final, equivalence = claim_verdict(report, prefix)
+    if text == "equivalent":
+        if not equivalence:
+            return "'equivalent' is for an equivalence claim (TOST); this one is directional"
+        return None if final == "supported" else f"the report's verdict is {final!r}"
+    if text not in _VERDICTS:
+        return f"cannot read {text!r} as a verdict ({', '.join(_VERDICTS)} or equivalent)"
+    return None if final == text else f"the report's verdict is {final!r}, not {text!r}"
 
 
 def _agrees(text: str, iv: Interval) -> str | None:
@@ -157,6 +215,14 @@ def check_text(readme: str, root: Path) -> list[Check]:
     for mk in MARKER.finditer(readme):
         line = readme.count("\n", 0, mk.start()) + 1
         c = Check(line, mk["report"], _norm(mk["expr"]), mk["text"].strip(), mk["verdict"])
+        claim = _CLAIM.match(c.expr)
+        if claim is not None:
+            try:
+                problem = _claim_problem(root / c.report, claim["prefix"], c.text)
+            except (OSError, KeyError, ValueError) as exc:
+                problem = str(exc)
+            out.append(Check(**{**c.__dict__, "problem": problem}))
+            continue
         try:
             iv = quantity(root / c.report, c.expr)
         except (OSError, KeyError, ValueError) as exc:
@@ -182,9 +248,19 @@ def findings_section(readme: str) -> str:
 
 
 def equivalence_words(text: str) -> list[str]:
-    """The words of :data:`EQUIVALENCE_WORDS` used in ``text`` outside markers."""
-    plain = MARKER.sub("", text).lower()
-    return [w for w in EQUIVALENCE_WORDS if re.search(rf"\b{w}\b", plain)]
+    """The words of :data:`EQUIVALENCE_WORDS` used in ``text`` outside markers, except in a
+    bullet or paragraph that carries a ``claim "..." = equivalent`` marker (which
+    :func:`check_text` holds to the report's TOST verdict)."""
+    found: list[str] = []
+    for part in re.split(r"\n(?=- )|\n\n", text):
+        if any(
+            _CLAIM.match(_norm(m["expr"])) and m["text"].strip() == "equivalent"
+            for m in MARKER.finditer(part)
+        ):
+            continue
+        plain = MARKER.sub("", part).lower()
+        found += [w for w in EQUIVALENCE_WORDS if re.search(rf"\b{w}\b", plain) and w not in found]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

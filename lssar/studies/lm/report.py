@@ -34,7 +34,6 @@ from lssar.studies.lm.verdicts import (
     LOSS_MARGIN,
     RELATIVE_MARGIN,
     WINDOW,
-    Seeds,
     alternatives,
     claim_lines,
     diff_table,
@@ -42,6 +41,7 @@ from lssar.studies.lm.verdicts import (
     find_label,
     fmt,
     iv_of,
+    losses_of,
     ratio,
 )
 from lssar.studies.stats import (
@@ -62,17 +62,6 @@ PAPER = {
         (LSSAR15, {1: 3.19, 2: 3.19, 4: 3.23, 8: 3.32, 16: 3.32}),
     )
 }
-
-
-def _losses(groups, multiples) -> dict[str, dict[int, Seeds]]:
-    """label -> multiple -> seed -> validation loss."""
-    return {
-        label: {
-            m: {r["config"]["seed"]: r["loss"][str(m * r["train_len"])] for r in rs}
-            for m in multiples
-        }
-        for label, rs in groups.items()
-    }
 
 
 def _loss_table(losses, multiples, groups) -> list[str]:
@@ -274,7 +263,7 @@ def write_report(
     """REPORT.md, results.json and plots in ``out``, generated from the evaluation results."""
     groups = group(results)
     multiples = preset.multiples
-    losses = _losses(groups, multiples)
+    losses = losses_of(groups, multiples)
     first = results[0]
     train_len = first["train_len"]
     cfg = first.get("config") or {}

@@ -87,6 +87,17 @@ def _word(v: str) -> str:
     return {"supported": "lower", "contradicted": "higher"}.get(v, v)
 
 
+def losses_of(groups, multiples) -> dict[str, dict[int, Seeds]]:
+    """label -> multiple -> seed -> validation loss, from results grouped by arm label."""
+    return {
+        label: {
+            m: {r["config"]["seed"]: r["loss"][str(m * r["train_len"])] for r in rs}
+            for m in multiples
+        }
+        for label, rs in groups.items()
+    }
+
+
 def declared_claims(losses, multiples) -> list[Claim]:
     """The paper's claims present in ``losses`` (the declared family Holm corrects over), each
     on its per-seed values: a ratio, or a difference paired by seed."""
