@@ -21,8 +21,11 @@ _TUNE_KEY = [
 ]  # fmt: skip
 
 
-def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+def _configs(shapes: list[tuple[int, int, int, int]], **flags: bool) -> list[triton.Config]:
+    return [
+        triton.Config({"BM": m, "BN": n, **flags}, num_warps=w, num_stages=s)
+        for m, n, w, s in shapes
+    ]
 
 
 # Every config is checked ahead of time by ``python -m lssar.ops.triton.compile_check`` (sm_80 and
@@ -49,15 +52,31 @@ FMA_SCORES_PER_THREAD = {"fwd": 2, "rows": 2, "dq": 2, "dkdv": 1}
 
 
 def _live_words(
-    kind: str, bm: int, bn: int, warps: int, bd: int, bdv: int, esize: int = 2
+    kind: str,
+    bm: int,
+    bn: int,
+    warps: int,
+    bd: int,
+    bdv: int,
+    esize: int = 2,
+    one_grad: bool = False,
 ) -> float:
     """Estimated live fp32 words per thread in a kernel's loop: its fp32 accumulators and ~3
     score-shaped fp32 tiles (scores, weights, dP / dS); dk/dv also reloads q and dO tiles
-    (``esize``-byte inputs: two half-precision values per word) every iteration."""
+    (``esize``-byte inputs: two half-precision values per word) every iteration; ``one_grad``:
+    a dk/dv program holds dk or dv, not both (``ONE_GRAD``)."""
     threads = 32 * warps
-    acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * (bd + bdv)}[kind]
+    grads = max(bd, bdv) if one_grad else bd + bdv
+    acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * grads}[kind]
     reloaded = bm * (bd + bdv) * esize / 4 if kind == "dkdv" else 0
     return (acc + reloaded + 3 * bm * bn) / threads
+
+
+def _cfg_words(kind: str, cfg: triton.Config, bd: int, bdv: int, esize: int) -> float:
+    """:func:`_live_words` of a config."""
+    bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
+    one_grad = bool(cfg.kwargs.get("ONE_GRAD", False))
+    return _live_words(kind, bm, bn, cfg.num_warps, bd, bdv, esize, one_grad)
 
 
 def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, esize: int) -> int:
@@ -164,7 +183,7 @@ def fits(
         piped_ok = kind != "dkdv" or st == 1
         return piped_ok and bm * bn <= FMA_SCORES_PER_THREAD[kind] * 32 * w
     budget = TF32_REG_BUDGET if tf32 else REG_BUDGET
-    return _live_words(kind, bm, bn, w, bd, bdv, esize) <= budget[kind]
+    return _cfg_words(kind, cfg, bd, bdv, esize) <= budget[kind]
 
 
 def _measured(
@@ -189,10 +208,6 @@ def precision(named_args: dict, kwargs: dict) -> tuple[bool, bool]:
     return ieee, not ieee and getattr(q, "dtype", None) == torch.float32
 
 
-def _tile(cfg: triton.Config) -> tuple[int, int, int]:
-    return cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps
-
-
 def _pruner(kind: str):
     """The autotuner's ``early_config_prune`` for a ``kind`` kernel: drops configs that would
     spill or not fit (:func:`fits`), unpipelined row tiles (``num_stages=1``) where a pipelined
@@ -214,9 +229,7 @@ def _pruner(kind: str):
         if not kept:  # the fewest live words, among the tiles not measured to spill if any
             esize = 4 if ieee or tf32 else 2
             pool = [c for c in configs if not _measured(kind, c, bd, bdv, ieee, spans, tf32)]
-            kept = [
-                min(pool or configs, key=lambda c: _live_words(kind, *_tile(c), bd, bdv, esize))
-            ]
+            kept = [min(pool or configs, key=lambda c: _cfg_words(kind, c, bd, bdv, esize))]
         return kept
 
     return prune
@@ -242,9 +255,8 @@ _ROW_CONFIGS = _configs(
         (16, 16, 4, 1),
     ]
 )
-# No 64x64 dk/dv tile with 4 warps (the one whose four products all fit sm_90's wgmma, M % 64 == 0
-# per warpgroup): measured for bf16 LSSAR, every such tile spills (head dim 64: 24-80 B on sm_90,
-# 88-544 B on sm_80; 128: 0.5-1.4 KB); see benchmarks/RESULTS.md.
+# dk/dv: query-major scores (q k^T), both gradients per program (KEY_MAJOR, ONE_GRAD: the
+# kernel's formulations for sm_90's wgmma).
 _COL_CONFIGS = _configs(
     [
         (32, 64, 8, 2),
@@ -256,7 +268,9 @@ _COL_CONFIGS = _configs(
         (16, 32, 4, 2),
         (16, 16, 4, 2),
         (16, 16, 8, 1),
-    ]
+    ],
+    KEY_MAJOR=False,
+    ONE_GRAD=False,
 )
 
 
