@@ -157,6 +157,22 @@ MEASURED_TF32_SPILLS = {
 }
 
 
+# Key-major dk/dv tiles (for sm_90's wgmma: all four products HGMMA): per (BM, BN, num_warps,
+# num_stages, ONE_GRAD), the largest padded head dim at which the tile compiled without spills in
+# every measured case; kept for half-precision inputs up to it, never for fp32 (not measured).
+# Measured by compile_check on sm_80 and sm_90 at head dim 64 and 128, 6 cases each (bf16 LSSAR
+# p=15 causal, with sinks, with a window; bf16 LSSA causal; fp16 LSSAR and bf16 LSSA not causal
+# with a mask). Spills of the others, B on sm_80 / sm_90: at 128, 16x64 w4 s2: 0 / 120-288,
+# one-grad 32x64 w4 s2: 0 / 8 and 32x128 w8 s2: 4 / 0 (fp16 mask); at 64, both gradients (not
+# in the config list): 32x64 w4 s2: 16 / 0 (fp16 mask), 32x128 w8 s2: 24 / 0 (lssa mask).
+MEASURED_WGMMA_DKDV = {
+    (16, 64, 4, 2, False): 64,
+    (16, 64, 4, 2, True): 128,
+    (32, 64, 4, 2, True): 64,
+    (32, 128, 8, 2, True): 64,
+}
+
+
 def fits(
     kind: str,
     cfg: triton.Config,
@@ -171,7 +187,7 @@ def fits(
     fp32 inputs in IEEE fp32 (4-byte tiles, FMA dots); ``tf32``: fp32 inputs on TF32 tensor cores
     (``ieee`` False: 4-byte tiles, ``TF32_REG_BUDGET``, the half-precision tiles'
     ``MEASURED_SPILLS`` and ``MEASURED_TF32_SPILLS``); ``spans``: launched with key
-    spans (``HAS_SPANS``)."""
+    spans (``HAS_SPANS``). Key-major dk/dv tiles: where ``MEASURED_WGMMA_DKDV`` allows."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
     if _measured(kind, cfg, bd, bdv, ieee, spans, tf32):
@@ -179,6 +195,8 @@ def fits(
     esize = 4 if ieee or tf32 else 2
     if _shared_bytes(kind, bm, bn, st, bd, bdv, esize) > SHARED_BUDGET:
         return False
+    if cfg.kwargs.get("KEY_MAJOR", False):  # measured clean (_measured): no estimate needed
+        return True
     if ieee:
         piped_ok = kind != "dkdv" or st == 1
         return piped_ok and bm * bn <= FMA_SCORES_PER_THREAD[kind] * 32 * w
@@ -189,8 +207,12 @@ def fits(
 def _measured(
     kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bool, tf32: bool
 ) -> bool:
-    """Whether ``cfg`` is in the measured-spill lists that apply to the launch."""
+    """Whether ``cfg`` is in the measured-spill lists that apply to the launch (a key-major dk/dv
+    tile: whether the launch is outside where it was measured clean, ``MEASURED_WGMMA_DKDV``)."""
     tile = (cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
+    if cfg.kwargs.get("KEY_MAJOR", False):
+        limit = MEASURED_WGMMA_DKDV.get((*tile, bool(cfg.kwargs["ONE_GRAD"])), 0)
+        return ieee or tf32 or max(bd, bdv) > limit
     key = (kind, max(bd, bdv), ieee, *tile)
     if key in MEASURED_SPILLS:
         return True
@@ -255,8 +277,12 @@ _ROW_CONFIGS = _configs(
         (16, 16, 4, 1),
     ]
 )
-# dk/dv: query-major scores (q k^T), both gradients per program (KEY_MAJOR, ONE_GRAD: the
-# kernel's formulations for sm_90's wgmma).
+# dk/dv: query-major scores (q k^T, M = BM), both gradients per program; then the tiles for
+# sm_90's wgmma (M % 64 == 0 per warpgroup in all four products, which no query-major LSSAR tile
+# reaches without spilling: 64x64 with 4 or 8 warps, 24 B - 1.4 KB on sm_90): key-major scores
+# (KEY_MAJOR: k q^T and v dO^T, M = BN = 64 per warpgroup, any BM), and one gradient per program
+# (ONE_GRAD: dk and dv programs, one fp32 accumulator each, S recomputed by both), kept where
+# MEASURED_WGMMA_DKDV says; see benchmarks/RESULTS.md.
 _COL_CONFIGS = _configs(
     [
         (32, 64, 8, 2),
@@ -271,6 +297,10 @@ _COL_CONFIGS = _configs(
     ],
     KEY_MAJOR=False,
     ONE_GRAD=False,
+)
+_COL_CONFIGS += _configs([(16, 64, 4, 2)], KEY_MAJOR=True, ONE_GRAD=False)
+_COL_CONFIGS += _configs(
+    [(16, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)], KEY_MAJOR=True, ONE_GRAD=True
 )
 
 
