@@ -25,3 +25,24 @@ def _seeded() -> None:
     """Every test starts from the same global RNG state, whatever ran before it (a test that
     passes alone passes in any order, on any machine)."""
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def force_dkdv(monkeypatch):
+    """A function ``(key_major, one_grad)`` that makes the Triton dk/dv kernel run in that
+    formulation (``KEY_MAJOR``, ``ONE_GRAD``: :mod:`lssar.ops.triton.autotune`) for the rest of
+    the test: interpreted, through the host's ``INTERPRET_DKDV``; compiled, as the autotuner's
+    only config."""
+
+    def force(key_major: bool, one_grad: bool) -> None:
+        import triton
+
+        from lssar.ops.triton import autotune, host
+
+        flags = {"KEY_MAJOR": key_major, "ONE_GRAD": one_grad}
+        monkeypatch.setattr(host, "INTERPRET_DKDV", flags)
+        cfg = triton.Config({"BM": 16, "BN": 64, **flags}, num_warps=4, num_stages=2)
+        monkeypatch.setattr(autotune.dkdv_tuned, "configs", [cfg])
+        monkeypatch.setattr(autotune.dkdv_tuned, "cache", {})
+
+    return force

@@ -223,8 +223,11 @@ def test_window_equals_its_dense_mask(variant, opts, impl, window, sinks, causal
 
 
 @needs_triton
-def test_triton_gqa_with_window_and_sinks():
-    """A key head's dk/dv sum over its query heads (the group loop of the dk/dv kernel)."""
+@pytest.mark.parametrize("key_major,one_grad", [(False, False), (True, False), (True, True)])
+def test_triton_gqa_with_window_and_sinks(force_dkdv, key_major, one_grad):
+    """A key head's dk/dv sum over its query heads (the group loop of the dk/dv kernel), in the
+    default formulation and in those for sm_90's wgmma (lssar.ops.triton.autotune)."""
+    force_dkdv(key_major, one_grad)
     q, _, _ = _inputs(40, 40, dtype=torch.float64, b=1, h=4)
     _, k, v = _inputs(40, 40, dtype=torch.float64, b=1, h=2, seed=1)
     grad = torch.randn(q.shape, dtype=torch.float64)

@@ -6,8 +6,9 @@ process, so this file and ``tests/test_triton_kernels.py`` pass in one run in ei
 The default run compiles, for each kernel of each case of the reduced grid, the config the
 autotuner may pick that is closest to spilling by the kernels' own estimate, for sm_80 and sm_90
 (56 builds, one case with key spans and sinks), and a few targeted builds (a known spilling tile,
-fp32 rows with sinks, fp32 with and without TF32): 67 builds, 228 s measured cold on 2 busy cores
-(9.5 minutes once on 2 overloaded ones), 16 s warm: cached per build under
+fp32 rows with sinks, fp32 with and without TF32, the sm_90 wgmma dk/dv tiles): 69 builds, 149 s
+measured cold on 2 busy cores (12 s of it the wgmma tiles; 228 s before them on a busier day,
+9.5 minutes once on 2 overloaded ones), 16 s warm: cached per build under
 ``$LSSAR_COMPILE_CACHE`` or ``~/.cache/lssar/compile_check``; ``-m slow`` compiles every config
 of the full grid (hours on 2 cores).
 """
@@ -160,6 +161,52 @@ def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
         if r["arch"] == 80:
             assert r["hgmma"] == 0 and r["hmma"] > 0, r
     assert any(r["hgmma"] > 0 for r in res["True"]["rows"])
+
+
+# the dk/dv tiles for sm_90's wgmma (key-major scores; at head dim 128 one gradient per program)
+WGMMA_DKDV = {64: "16x64 w4 s2 key-major", 128: "16x64 w4 s2 key-major one-grad"}
+
+
+def test_wgmma_dkdv_tiles_compile_to_hgmma_without_spills(tmp_path):
+    # kept by the autotuner's pruning, every product on HGMMA (no HMMA left), no spill: sm_90,
+    # bf16 LSSAR p=15 causal, head dim 64 (both gradients) and 128 (one gradient): 2 builds
+    res = _run_json(
+        tmp_path,
+        f"tiles = {WGMMA_DKDV!r}\n"
+        "out = []\n"
+        "for d, label in tiles.items():\n"
+        "    blds = cc.builds([cc.Case(d, 'bf16', True, 'lssar', False)], (90,))\n"
+        "    out += cc.run([b for b in blds if (b.kernel, b.config) == ('dkdv', label)], 1)\n"
+        "print(json.dumps(out))\n",
+    )
+    assert {r["head_dim"]: r["config"] for r in res} == WGMMA_DKDV
+    for r in res:
+        assert r["ok"] and r["kept"], r
+        assert r["spill_store"] == r["spill_load"] == 0, r
+        assert r["hmma"] == 0 and r["hgmma"] >= 4, r  # q k^T, dO v^T, P^T dO, dS^T q
+        assert r["loop"]["hmma"] == 0 and r["loop"]["hgmma"] >= 4, r
+
+
+def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
+    import torch
+
+    from lssar.ops.triton import autotune as A
+    from lssar.ops.triton.compile_check import _config_label
+
+    def kept(bd, dtype=torch.bfloat16, ieee=False):
+        args = {"Q": torch.zeros(1, dtype=dtype)}
+        cfgs = A._pruner("dkdv")(A._COL_CONFIGS, args, BD=bd, BDV=bd, IEEE=ieee)
+        return {label for label in map(_config_label, cfgs) if "key-major" in label}
+
+    assert kept(64) == {
+        "16x64 w4 s2 key-major",
+        "16x64 w4 s2 key-major one-grad",
+        "32x64 w4 s2 key-major one-grad",
+        "32x128 w8 s2 key-major one-grad",
+    }
+    assert kept(128) == {WGMMA_DKDV[128]} and kept(128, torch.float16) == {WGMMA_DKDV[128]}
+    assert kept(256) == set()
+    assert kept(64, torch.float32, ieee=True) == kept(64, torch.float32) == set()  # IEEE, TF32
 
 
 def test_unpipelined_row_tile_is_only_a_fallback():

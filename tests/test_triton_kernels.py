@@ -155,6 +155,35 @@ def test_gqa_causal(name, p):
     _check(name, p, q, k, v, causal=True, gqa=True)
 
 
+# the dk/dv kernel's formulations for sm_90's wgmma (KEY_MAJOR: scores as k q^T; ONE_GRAD: one
+# program for dk and one for dv per key block), forced (the GPU's autotuner picks them by timing)
+WGMMA_DKDV = [(True, False), (True, True), (False, True)]
+
+
+@pytest.mark.parametrize("key_major,one_grad", WGMMA_DKDV)
+def test_wgmma_dkdv_formulations(force_dkdv, key_major, one_grad):
+    force_dkdv(key_major, one_grad)
+    q, k, v = _inputs(1, 4, 2, 21, 21, 32, torch.float32, seed=3)
+    _check("lssar", 15.0, q, k, v, causal=True, gqa=True)  # GQA: a key head's query heads
+    _check("lssa", None, q, k, v, causal=True, gqa=True)
+    q, k, v = _inputs(2, 2, 2, 9, 12, 32, torch.float32, seed=11)
+    mask = torch.rand(2, 1, 9, 12, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask[0, 0, 4] = False  # a fully masked row
+    _check("lssar", 15.0, q, k, v, mask=mask)
+    q, k, v = _inputs(1, 2, 2, 33, 33, 64, torch.bfloat16, seed=4)  # the hi + lo products
+    _check("lssar", 15.0, q, k, v, causal=True)
+
+
+def test_one_grad_needs_both_programs_of_a_key_block(force_dkdv, monkeypatch):
+    """The check above can fail: ONE_GRAD on a grid that the host did not double leaves half the
+    dk/dv programs unlaunched."""
+    force_dkdv(True, True)
+    monkeypatch.setattr(tk, "_programs_per_block", lambda meta: 1)
+    q, k, v = _inputs(1, 4, 2, 21, 21, 32, torch.float32, seed=3)
+    with pytest.raises(AssertionError, match="dk|dv"):
+        _check("lssar", 15.0, q, k, v, causal=True, gqa=True)
+
+
 @pytest.mark.parametrize("tq,tk", [(5, 19), (19, 5)])
 @pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
 def test_kv_cache_bottom_right_causal(tq, tk, name, p):

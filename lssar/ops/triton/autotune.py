@@ -21,8 +21,11 @@ _TUNE_KEY = [
 ]  # fmt: skip
 
 
-def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+def _configs(shapes: list[tuple[int, int, int, int]], **flags: bool) -> list[triton.Config]:
+    return [
+        triton.Config({"BM": m, "BN": n, **flags}, num_warps=w, num_stages=s)
+        for m, n, w, s in shapes
+    ]
 
 
 # Every config is checked ahead of time by ``python -m lssar.ops.triton.compile_check`` (sm_80 and
@@ -49,15 +52,31 @@ FMA_SCORES_PER_THREAD = {"fwd": 2, "rows": 2, "dq": 2, "dkdv": 1}
 
 
 def _live_words(
-    kind: str, bm: int, bn: int, warps: int, bd: int, bdv: int, esize: int = 2
+    kind: str,
+    bm: int,
+    bn: int,
+    warps: int,
+    bd: int,
+    bdv: int,
+    esize: int = 2,
+    one_grad: bool = False,
 ) -> float:
     """Estimated live fp32 words per thread in a kernel's loop: its fp32 accumulators and ~3
     score-shaped fp32 tiles (scores, weights, dP / dS); dk/dv also reloads q and dO tiles
-    (``esize``-byte inputs: two half-precision values per word) every iteration."""
+    (``esize``-byte inputs: two half-precision values per word) every iteration; ``one_grad``:
+    a dk/dv program holds dk or dv, not both (``ONE_GRAD``)."""
     threads = 32 * warps
-    acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * (bd + bdv)}[kind]
+    grads = max(bd, bdv) if one_grad else bd + bdv
+    acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * grads}[kind]
     reloaded = bm * (bd + bdv) * esize / 4 if kind == "dkdv" else 0
     return (acc + reloaded + 3 * bm * bn) / threads
+
+
+def _cfg_words(kind: str, cfg: triton.Config, bd: int, bdv: int, esize: int) -> float:
+    """:func:`_live_words` of a config."""
+    bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
+    one_grad = bool(cfg.kwargs.get("ONE_GRAD", False))
+    return _live_words(kind, bm, bn, cfg.num_warps, bd, bdv, esize, one_grad)
 
 
 def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, esize: int) -> int:
@@ -138,6 +157,22 @@ MEASURED_TF32_SPILLS = {
 }
 
 
+# Key-major dk/dv tiles (for sm_90's wgmma: all four products HGMMA): per (BM, BN, num_warps,
+# num_stages, ONE_GRAD), the largest padded head dim at which the tile compiled without spills in
+# every measured case; kept for half-precision inputs up to it, never for fp32 (not measured).
+# Measured by compile_check on sm_80 and sm_90 at head dim 64 and 128, 6 cases each (bf16 LSSAR
+# p=15 causal, with sinks, with a window; bf16 LSSA causal; fp16 LSSAR and bf16 LSSA not causal
+# with a mask). Spills of the others, B on sm_80 / sm_90: at 128, 16x64 w4 s2: 0 / 120-288,
+# one-grad 32x64 w4 s2: 0 / 8 and 32x128 w8 s2: 4 / 0 (fp16 mask); at 64, both gradients (not
+# in the config list): 32x64 w4 s2: 16 / 0 (fp16 mask), 32x128 w8 s2: 24 / 0 (lssa mask).
+MEASURED_WGMMA_DKDV = {
+    (16, 64, 4, 2, False): 64,
+    (16, 64, 4, 2, True): 128,
+    (32, 64, 4, 2, True): 64,
+    (32, 128, 8, 2, True): 64,
+}
+
+
 def fits(
     kind: str,
     cfg: triton.Config,
@@ -152,7 +187,7 @@ def fits(
     fp32 inputs in IEEE fp32 (4-byte tiles, FMA dots); ``tf32``: fp32 inputs on TF32 tensor cores
     (``ieee`` False: 4-byte tiles, ``TF32_REG_BUDGET``, the half-precision tiles'
     ``MEASURED_SPILLS`` and ``MEASURED_TF32_SPILLS``); ``spans``: launched with key
-    spans (``HAS_SPANS``)."""
+    spans (``HAS_SPANS``). Key-major dk/dv tiles: where ``MEASURED_WGMMA_DKDV`` allows."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
     if _measured(kind, cfg, bd, bdv, ieee, spans, tf32):
@@ -160,18 +195,24 @@ def fits(
     esize = 4 if ieee or tf32 else 2
     if _shared_bytes(kind, bm, bn, st, bd, bdv, esize) > SHARED_BUDGET:
         return False
+    if cfg.kwargs.get("KEY_MAJOR", False):  # measured clean (_measured): no estimate needed
+        return True
     if ieee:
         piped_ok = kind != "dkdv" or st == 1
         return piped_ok and bm * bn <= FMA_SCORES_PER_THREAD[kind] * 32 * w
     budget = TF32_REG_BUDGET if tf32 else REG_BUDGET
-    return _live_words(kind, bm, bn, w, bd, bdv, esize) <= budget[kind]
+    return _cfg_words(kind, cfg, bd, bdv, esize) <= budget[kind]
 
 
 def _measured(
     kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bool, tf32: bool
 ) -> bool:
-    """Whether ``cfg`` is in the measured-spill lists that apply to the launch."""
+    """Whether ``cfg`` is in the measured-spill lists that apply to the launch (a key-major dk/dv
+    tile: whether the launch is outside where it was measured clean, ``MEASURED_WGMMA_DKDV``)."""
     tile = (cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
+    if cfg.kwargs.get("KEY_MAJOR", False):
+        limit = MEASURED_WGMMA_DKDV.get((*tile, bool(cfg.kwargs["ONE_GRAD"])), 0)
+        return ieee or tf32 or max(bd, bdv) > limit
     key = (kind, max(bd, bdv), ieee, *tile)
     if key in MEASURED_SPILLS:
         return True
@@ -187,10 +228,6 @@ def precision(named_args: dict, kwargs: dict) -> tuple[bool, bool]:
     ieee = bool(kwargs["IEEE"])
     q = named_args.get("Q", kwargs.get("Q"))
     return ieee, not ieee and getattr(q, "dtype", None) == torch.float32
-
-
-def _tile(cfg: triton.Config) -> tuple[int, int, int]:
-    return cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps
 
 
 def _pruner(kind: str):
@@ -214,9 +251,7 @@ def _pruner(kind: str):
         if not kept:  # the fewest live words, among the tiles not measured to spill if any
             esize = 4 if ieee or tf32 else 2
             pool = [c for c in configs if not _measured(kind, c, bd, bdv, ieee, spans, tf32)]
-            kept = [
-                min(pool or configs, key=lambda c: _live_words(kind, *_tile(c), bd, bdv, esize))
-            ]
+            kept = [min(pool or configs, key=lambda c: _cfg_words(kind, c, bd, bdv, esize))]
         return kept
 
     return prune
@@ -242,9 +277,12 @@ _ROW_CONFIGS = _configs(
         (16, 16, 4, 1),
     ]
 )
-# No 64x64 dk/dv tile with 4 warps (the one whose four products all fit sm_90's wgmma, M % 64 == 0
-# per warpgroup): measured for bf16 LSSAR, every such tile spills (head dim 64: 24-80 B on sm_90,
-# 88-544 B on sm_80; 128: 0.5-1.4 KB); see benchmarks/RESULTS.md.
+# dk/dv: query-major scores (q k^T, M = BM), both gradients per program; then the tiles for
+# sm_90's wgmma (M % 64 == 0 per warpgroup in all four products, which no query-major LSSAR tile
+# reaches without spilling: 64x64 with 4 or 8 warps, 24 B - 1.4 KB on sm_90): key-major scores
+# (KEY_MAJOR: k q^T and v dO^T, M = BN = 64 per warpgroup, any BM), and one gradient per program
+# (ONE_GRAD: dk and dv programs, one fp32 accumulator each, S recomputed by both), kept where
+# MEASURED_WGMMA_DKDV says; see benchmarks/RESULTS.md.
 _COL_CONFIGS = _configs(
     [
         (32, 64, 8, 2),
@@ -256,7 +294,13 @@ _COL_CONFIGS = _configs(
         (16, 32, 4, 2),
         (16, 16, 4, 2),
         (16, 16, 8, 1),
-    ]
+    ],
+    KEY_MAJOR=False,
+    ONE_GRAD=False,
+)
+_COL_CONFIGS += _configs([(16, 64, 4, 2)], KEY_MAJOR=True, ONE_GRAD=False)
+_COL_CONFIGS += _configs(
+    [(16, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)], KEY_MAJOR=True, ONE_GRAD=True
 )
 
 

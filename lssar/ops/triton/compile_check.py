@@ -274,8 +274,14 @@ class Build:
 
 
 def _config_label(cfg: triton.Config) -> str:
+    """``"BMxBN wW sS"``, then the dk/dv formulation's flags that are set (``key-major``,
+    ``one-grad``)."""
     kw = cfg.kwargs
-    return f"{kw['BM']}x{kw['BN']} w{cfg.num_warps} s{cfg.num_stages}"
+    flags = "".join(f" {f}" for k, f in _FLAGS.items() if kw.get(k, False))
+    return f"{kw['BM']}x{kw['BN']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
+
+
+_FLAGS = {"KEY_MAJOR": "key-major", "ONE_GRAD": "one-grad"}
 
 
 def specialise(kernel, args: tuple, kwargs: dict, arch: int) -> tuple[dict, dict, dict, dict]:
@@ -299,7 +305,7 @@ def _risk(ln: Launch, cfg: triton.Config) -> tuple[float, int]:
     bm, bn, bd, bdv = cfg.kwargs["BM"], cfg.kwargs["BN"], ln.kwargs["BD"], ln.kwargs["BDV"]
     ieee, tf32 = A.precision(dict(zip(ln.kernel.arg_names, ln.args)), ln.kwargs)
     esize = 4 if ieee or tf32 else 2
-    words = A._live_words(ln.name, bm, bn, cfg.num_warps, bd, bdv, esize)
+    words = A._cfg_words(ln.name, cfg, bd, bdv, esize)
     return words, A._shared_bytes(ln.name, bm, bn, cfg.num_stages, bd, bdv, esize)
 
 

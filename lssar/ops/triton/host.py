@@ -61,6 +61,9 @@ from lssar.ops.variants import Variant
 
 MAX_HEAD_DIM = 256
 INTERPRET_BLOCK = 16  # tl.dot needs tiles of at least 16
+# the dk/dv formulation launched when interpreted (the GPU's autotuner picks it per config:
+# lssar.ops.triton.autotune); tests set it to run the sm_90 wgmma formulations
+INTERPRET_DKDV = {"KEY_MAJOR": False, "ONE_GRAD": False}
 UNIFORM_TOL = uniform_tolerance(torch.float32)  # statistics are fp32 for every input dtype
 # the kernels were decorated for the interpreter (a module constant: torch.compile reads it)
 _INTERPRETED = K.INTERPRETED
@@ -74,13 +77,24 @@ def _interpreting() -> bool:
 def _launch(kernel, tuned, rows: int, parallel: int, *args: Any, **kwargs: Any) -> None:
     """Launch ``ceil(rows / block) * parallel`` programs on a 1-D grid (axis 0 takes 2^31 - 1
     programs, axis 1 only 65,535: large batch x heads would not launch); the kernels split the
-    program id back into (block, batch*head). Fixed 16x16 tiles when interpreted."""
+    program id back into (block, batch*head). The dk/dv kernel's ``ONE_GRAD`` configs take two
+    programs per key block (one for dk, one for dv). Fixed 16x16 tiles when interpreted (dk/dv
+    with :data:`INTERPRET_DKDV`'s formulation)."""
+    dkdv = kernel is K.bwd_dkdv_kernel
     if _interpreting():
-        grid = (triton.cdiv(rows, INTERPRET_BLOCK) * parallel,)
-        kernel[grid](*args, BM=INTERPRET_BLOCK, BN=INTERPRET_BLOCK, **kwargs)
+        meta = {"BM": INTERPRET_BLOCK, "BN": INTERPRET_BLOCK, **(INTERPRET_DKDV if dkdv else {})}
+        grid = (triton.cdiv(rows, INTERPRET_BLOCK) * parallel * _programs_per_block(meta),)
+        kernel[grid](*args, **meta, **kwargs)
         return
-    block = "BN" if kernel is K.bwd_dkdv_kernel else "BM"
-    tuned[lambda meta: (triton.cdiv(rows, meta[block]) * parallel,)](*args, **kwargs)
+    block = "BN" if dkdv else "BM"
+    tuned[lambda meta: (triton.cdiv(rows, meta[block]) * parallel * _programs_per_block(meta),)](
+        *args, **kwargs
+    )
+
+
+def _programs_per_block(meta: dict) -> int:
+    """Programs per tile of a launch: 2 for dk/dv's ``ONE_GRAD`` configs, else 1."""
+    return 2 if meta.get("ONE_GRAD", False) else 1
 
 
 def _pow2(x: int) -> int:

@@ -25,7 +25,8 @@ forward (programs: query blocks x batch*heads on a 1-D grid; the ``T_q x T_k`` s
 backward (deterministic, no atomics)
     rows kernel: ``D_i = sum_j P_ij dP_ij`` and ``F_i = sum_j dx_ij`` in one pass over the keys
     (LSSA: ``D_i = g_i . out_i`` and no pass); dq kernel over key blocks per query block; dk/dv
-    kernel over query blocks (and the ``H_q / H_kv`` query heads of a GQA group) per key block.
+    kernel over query blocks (and the ``H_q / H_kv`` query heads of a GQA group) per key block
+    (or per key block and gradient: ``ONE_GRAD``, one program for dk and one for dv).
 
 key spans (``HAS_SPANS``; :mod:`lssar.ops.spans`: packed documents, sliding windows, sink tokens,
 the causal rule folded in by the host)
@@ -174,11 +175,16 @@ def _scores(
     UPCAST: tl.constexpr,
     HAS_SPANS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
     # s_ij = c_i * (q_i . k_j) / (|q_i| |k_j|), fp32 (BM, BN), and its visibility (spans: key j
     # in the row's [lo, hi) or [slo, shi); they lie in [0, Tk), and rows past Tq have empty ones,
-    # so no bounds test is needed then).
-    s = _dot(q, tl.trans(k), IEEE, UPCAST) * cq[:, None]
+    # so no bounds test is needed then). KEY_MAJOR: the product taken as k q^T (M = BN, the
+    # dk/dv kernel's tall side: sm_90's wgmma needs M % 64 == 0) and transposed in registers.
+    if KEY_MAJOR:
+        s = tl.trans(_dot(k, tl.trans(q), IEEE, UPCAST)) * cq[:, None]
+    else:
+        s = _dot(q, tl.trans(k), IEEE, UPCAST) * cq[:, None]
     if QK_NORM:
         s = s * ik[None, :]
     if HAS_SPANS:
@@ -318,19 +324,28 @@ def _row_scale(n, c0, IQr, rows, rmask, LOG_N: tl.constexpr, QK_NORM: tl.constex
 
 
 @triton.jit
+def _probs(a, vis, mu, inv_xmax, has, winv, p, P_INT: tl.constexpr, REWEIGHT):
+    # P_ij (zero where not visible) and r^(p-1) (LSSAR; LSSA: a placeholder, unused)
+    if REWEIGHT:
+        w, rpm1 = _sharpen(a, mu, inv_xmax, p, P_INT)
+        w = tl.where(has[:, None], w, a)
+    else:
+        w = a
+        rpm1 = a
+    return tl.where(vis, w * winv[:, None], 0.0), rpm1
+
+
+@triton.jit
 def _probs_dscores(
     a, sig, dp, vis, mu, inv_xmax, has, coef, fn, d, winv, p, P_INT: tl.constexpr, REWEIGHT
 ):
     # P_ij and dL/ds_ij (METHOD.md section 5); LSSA / fallback rows: da = (dP - D) / W.
+    prob, rpm1 = _probs(a, vis, mu, inv_xmax, has, winv, p, P_INT, REWEIGHT)
     cen = dp - d[:, None]
     if REWEIGHT:
-        w, rpm1 = _sharpen(a, mu, inv_xmax, p, P_INT)
         da = tl.where(has[:, None], coef[:, None] * rpm1 * cen - fn[:, None], cen * winv[:, None])
-        w = tl.where(has[:, None], w, a)
     else:
         da = cen * winv[:, None]
-        w = a
-    prob = tl.where(vis, w * winv[:, None], 0.0)
     ds = tl.where(vis, da * sig, 0.0)
     return prob, ds
 
@@ -397,7 +412,7 @@ def fwd_kernel(
             s, vis = _scores(
                 q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
                 smq, smk, Tq, Tk, off, lo, hi, slo, shi,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, False,
             )  # fmt: skip
             z += tl.sum(tl.where(vis, _softplus(s), 0.0), 1)
             mx = tl.maximum(mx, tl.max(tl.where(vis, s, float("-inf")), 1))
@@ -424,7 +439,7 @@ def fwd_kernel(
         s, vis = _scores(
             q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
             smq, smk, Tq, Tk, off, lo, hi, slo, shi,
-            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
+            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, False,
         )  # fmt: skip
         a = _softplus(s)
         if REWEIGHT:
@@ -530,7 +545,7 @@ def bwd_rows_kernel(
             s, vis = _scores(
                 q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
                 smq, smk, Tq, Tk, off, lo, hi, slo, shi,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, False,
             )  # fmt: skip
             a = _softplus(s)
             w, rpm1 = _sharpen(a, mu, inv_xmax, p, P_INT)
@@ -628,7 +643,7 @@ def bwd_dq_kernel(
         s, vis = _scores(
             q, k, cq, ik, offs_m, offs_n, _at(Mb, pid_m * BM, start_n, smq, smk),
             smq, smk, Tq, Tk, off, lo, hi, slo, shi,
-            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
+            CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, False,
         )  # fmt: skip
         a, sig = _softplus_sigmoid(s)
         dp = _dot(go, tl.trans(v), IEEE, UPCAST)
@@ -645,6 +660,90 @@ def bwd_dq_kernel(
 
 
 @triton.jit
+def _dkdv_loop(
+    dk, dv, k, v, ik, Q, GO, ST, DF, IQ, M, SP, offs_n, b, hk, pid_n, m_lo, m_hi,
+    sqb, sqh, sqt, sgb, sgh, sgt, smb, smh, smq, smk, H, G, Tq, Tk, off, plane, c0, p,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
+    REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, KEY_MAJOR: tl.constexpr,
+    WANT_DK: tl.constexpr, WANT_DV: tl.constexpr,
+):  # fmt: skip
+    # dk (BN, BD) and / or dv (BN, BDV) of one key block, summed in registers over the G query
+    # heads of its GQA group and the query blocks [m_lo, m_hi) that can see it. dv alone needs
+    # only S -> P -> P^T dO (no dO v^T, no score gradient); an accumulator not wanted is
+    # returned as passed (the loops do not carry it). KEY_MAJOR: S and dP as k q^T, v dO^T
+    # (M = BN in all four products).
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    for g in range(G):
+        h = hk * G + g
+        bh = b * H + h
+        Qb = Q + b * sqb + h * sqh
+        GOb = GO + b * sgb + h * sgh
+        Mb = M + b * smb + h * smh
+        for start_m in range(m_lo, m_hi, BM):
+            offs_m = start_m + tl.arange(0, BM)
+            rmask = offs_m < Tq
+            lo, hi, slo, shi = _span_rows(SP, offs_m, rmask, Tq, HAS_SPANS, HAS_SINKS)
+            rows = bh * Tq + offs_m
+            q = tl.load(
+                _rows_at(Qb, start_m, sqt, BM) + offs_d[None, :],
+                mask=rmask[:, None] & (offs_d[None, :] < D),
+                other=0.0,
+            )
+            go = tl.load(
+                _rows_at(GOb, start_m, sgt, BM) + offs_dv[None, :],
+                mask=rmask[:, None] & (offs_dv[None, :] < DV),
+                other=0.0,
+            )
+            n = tl.load(ST + rows, mask=rmask, other=0.0)
+            mu = tl.load(ST + plane + rows, mask=rmask, other=0.0)
+            xmax = tl.load(ST + 2 * plane + rows, mask=rmask, other=0.0)
+            wtot = tl.load(ST + 3 * plane + rows, mask=rmask, other=0.0)
+            cq = _row_scale(n, c0, IQ, rows, rmask, LOG_N, QK_NORM)
+            has = xmax > 0
+            inv_xmax = 1.0 / tl.where(has, xmax, 1.0)
+            winv = 1.0 / tl.where(wtot > 0, wtot, 1.0)
+            s, vis = _scores(
+                q, k, cq, ik, offs_m, offs_n, _at(Mb, start_m, pid_n * BN, smq, smk),
+                smq, smk, Tq, Tk, off, lo, hi, slo, shi,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, KEY_MAJOR,
+            )  # fmt: skip
+            if WANT_DK:
+                d = tl.load(DF + rows, mask=rmask, other=0.0)
+                f = tl.load(DF + plane + rows, mask=rmask, other=0.0)
+                coef = p * winv * inv_xmax
+                fn = tl.where(n > MIN_KEYS, f / tl.maximum(n, 1.0), 0.0)
+                a, sig = _softplus_sigmoid(s)
+                if KEY_MAJOR:
+                    dp = tl.trans(_dot(v, tl.trans(go), IEEE, UPCAST))
+                else:
+                    dp = _dot(go, tl.trans(v), IEEE, UPCAST)
+                prob, ds = _probs_dscores(
+                    a, sig, dp, vis, mu, inv_xmax, has, coef, fn, d, winv, p, P_INT, REWEIGHT
+                )
+                ds = ds * cq[:, None]
+                if QK_NORM:
+                    ds = ds * ik[None, :]
+                if WANT_DV:
+                    dv += _dot_lp(tl.trans(prob), go, IEEE, UPCAST, SPLIT)
+                dk += _dot_lp(tl.trans(ds), q, IEEE, UPCAST, SPLIT)
+            else:
+                prob, _ = _probs(_softplus(s), vis, mu, inv_xmax, has, winv, p, P_INT, REWEIGHT)
+                dv += _dot_lp(tl.trans(prob), go, IEEE, UPCAST, SPLIT)
+    return dk, dv
+
+
+@triton.jit
+def _store_rows(P, rows, acc, rmask, D: tl.constexpr, BD: tl.constexpr):
+    # acc (B, BD) into rows `rows` of a (., BD) fp32 plane: its first D columns
+    offs = tl.arange(0, BD)
+    tl.store(P + rows[:, None] * BD + offs[None, :], acc, mask=rmask[:, None] & (offs[None, :] < D))
+
+
+@triton.jit
 def bwd_dkdv_kernel(
     Q, K, V, GO, ST, DF, IQ, IK, M, SP, KR, DK, DVO,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt, smb, smh, smq, smk,
@@ -653,11 +752,23 @@ def bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, KEY_MAJOR: tl.constexpr, ONE_GRAD: tl.constexpr,
 ):  # fmt: skip
-    # One key block of one kv head; loops over the G query heads of its GQA group and over the
-    # query blocks that can see it, so dk/dv are summed in registers (deterministic).
-    pid_n, pid_bk = _program(Tk, BN)
+    # One key block of one kv head (_dkdv_loop: deterministic, no atomics). KEY_MAJOR and
+    # ONE_GRAD (a config's choice: lssar.ops.triton.autotune) are the tiles for sm_90's wgmma,
+    # which needs M % 64 == 0 per warpgroup: KEY_MAJOR takes S and dP as k q^T and v dO^T (M = BN
+    # in all four products; query-major, two have M = BM); ONE_GRAD (not SPLIT, the hi + lo
+    # products): two programs per key block, the even one computes dk and the odd one dv (the
+    # host doubles the grid), so one fp32 accumulator is live, at the cost of S, softplus and the
+    # weights computed by both.
+    if ONE_GRAD:
+        pid = tl.program_id(0)
+        nblk = 2 * tl.cdiv(Tk, BN)
+        pid_n = pid % nblk // 2
+        role = pid % 2
+        pid_bk = (pid // nblk).to(tl.int64)
+    else:
+        pid_n, pid_bk = _program(Tk, BN)
     HK = H // G
     b = pid_bk // HK
     hk = pid_bk % HK
@@ -684,65 +795,32 @@ def bwd_dkdv_kernel(
         m_lo, m_hi = _span_query_rows(KR, offs_n, kmask, Tq, Tk, BM)
     dk = tl.zeros((BN, BD), tl.float32)
     dv = tl.zeros((BN, BDV), tl.float32)
-    for g in range(G):
-        h = hk * G + g
-        bh = b * H + h
-        Qb = Q + b * sqb + h * sqh
-        GOb = GO + b * sgb + h * sgh
-        Mb = M + b * smb + h * smh
-        for start_m in range(m_lo, m_hi, BM):
-            offs_m = start_m + tl.arange(0, BM)
-            rmask = offs_m < Tq
-            lo, hi, slo, shi = _span_rows(SP, offs_m, rmask, Tq, HAS_SPANS, HAS_SINKS)
-            rows = bh * Tq + offs_m
-            q = tl.load(
-                _rows_at(Qb, start_m, sqt, BM) + offs_d[None, :],
-                mask=rmask[:, None] & (offs_d[None, :] < D),
-                other=0.0,
-            )
-            go = tl.load(
-                _rows_at(GOb, start_m, sgt, BM) + offs_dv[None, :],
-                mask=rmask[:, None] & (offs_dv[None, :] < DV),
-                other=0.0,
-            )
-            n = tl.load(ST + rows, mask=rmask, other=0.0)
-            mu = tl.load(ST + plane + rows, mask=rmask, other=0.0)
-            xmax = tl.load(ST + 2 * plane + rows, mask=rmask, other=0.0)
-            wtot = tl.load(ST + 3 * plane + rows, mask=rmask, other=0.0)
-            d = tl.load(DF + rows, mask=rmask, other=0.0)
-            f = tl.load(DF + plane + rows, mask=rmask, other=0.0)
-            cq = _row_scale(n, c0, IQ, rows, rmask, LOG_N, QK_NORM)
-            has = xmax > 0
-            inv_xmax = 1.0 / tl.where(has, xmax, 1.0)
-            winv = 1.0 / tl.where(wtot > 0, wtot, 1.0)
-            coef = p * winv * inv_xmax
-            fn = tl.where(n > MIN_KEYS, f / tl.maximum(n, 1.0), 0.0)
-            s, vis = _scores(
-                q, k, cq, ik, offs_m, offs_n, _at(Mb, start_m, pid_n * BN, smq, smk),
-                smq, smk, Tq, Tk, off, lo, hi, slo, shi,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
-            )  # fmt: skip
-            a, sig = _softplus_sigmoid(s)
-            dp = _dot(go, tl.trans(v), IEEE, UPCAST)
-            prob, ds = _probs_dscores(
-                a, sig, dp, vis, mu, inv_xmax, has, coef, fn, d, winv, p, P_INT, REWEIGHT
-            )
-            ds = ds * cq[:, None]
-            if QK_NORM:
-                ds = ds * ik[None, :]
-            dv += _dot_lp(tl.trans(prob), go, IEEE, UPCAST, SPLIT)
-            dk += _dot_lp(tl.trans(ds), q, IEEE, UPCAST, SPLIT)
     kv_rows = pid_bk * Tk + offs_n
-    tl.store(
-        DK + kv_rows[:, None] * BD + offs_d[None, :],
-        dk,
-        mask=kmask[:, None] & (offs_d[None, :] < D),
-    )
-    tl.store(
-        DVO + kv_rows[:, None] * BDV + offs_dv[None, :],
-        dv,
-        mask=kmask[:, None] & (offs_dv[None, :] < DV),
-    )
+    # the loop's runtime arguments (a tuple does not carry constexprs: those are passed below)
+    loop = (
+        k, v, ik, Q, GO, ST, DF, IQ, M, SP, offs_n, b, hk, pid_n, m_lo, m_hi,
+        sqb, sqh, sqt, sgb, sgh, sgt, smb, smh, smq, smk, H, G, Tq, Tk, off, plane, c0, p,
+    )  # fmt: skip
+    if ONE_GRAD:
+        if role == 0:
+            dk, _ = _dkdv_loop(
+                dk, dv, *loop, D, DV, BD, BDV, CAUSAL, HAS_MASK, LOG_N, QK_NORM, REWEIGHT,
+                P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, BN, KEY_MAJOR, True, False,
+            )  # fmt: skip
+            _store_rows(DK, kv_rows, dk, kmask, D, BD)
+        else:
+            _, dv = _dkdv_loop(
+                dk, dv, *loop, D, DV, BD, BDV, CAUSAL, HAS_MASK, LOG_N, QK_NORM, REWEIGHT,
+                P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, BN, KEY_MAJOR, False, True,
+            )  # fmt: skip
+            _store_rows(DVO, kv_rows, dv, kmask, DV, BDV)
+    else:
+        dk, dv = _dkdv_loop(
+            dk, dv, *loop, D, DV, BD, BDV, CAUSAL, HAS_MASK, LOG_N, QK_NORM, REWEIGHT,
+            P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, BN, KEY_MAJOR, True, True,
+        )  # fmt: skip
+        _store_rows(DK, kv_rows, dk, kmask, D, BD)
+        _store_rows(DVO, kv_rows, dv, kmask, DV, BDV)
 
 
 # set when triton.jit returned interpreter functions (a module constant: torch.compile reads it)
