@@ -155,6 +155,8 @@ def test_end_to_end_rows_and_report(tmp_path):
     assert "## Accuracy by length" in rep and "One seed: no confidence intervals" in rep
     assert "Training runs: commit " in rep  # provenance: the commits the numbers come from
     assert "**supported: " not in rep  # one seed: nothing supported
+    # the rule the verdicts use (stats.verdict: paired by seed), not interval overlap
+    assert "t-interval of the per-seed differences (paired by seed) excludes 0" in rep
     for png in ("accuracy_vs_length.png", "distance_split.png", "attention_maps.png"):
         assert (out / png).stat().st_size > 1000
     # a second invocation reuses the finished runs (no retraining)

@@ -225,8 +225,9 @@ def write_report(
     lines += [
         "## Questions and verdicts",
         "",
-        "A difference is **supported** only when the 95% intervals over seeds separate; "
-        "otherwise *within noise*; *no interval* with one seed; *inconclusive* when an arm is "
+        "A difference is **supported** only when the 95% t-interval of the per-seed "
+        "differences (paired by seed) excludes 0; otherwise *within noise*, which is not a tie; "
+        "*no interval* with one seed; *inconclusive* when an arm is "
         "below 90% at 1x. Cells give the verdict and the two mean accuracies (%), on the "
         "*beyond* bucket (the distances training never showed) unless marked.",
         "",
