@@ -86,7 +86,7 @@ def test_labels_are_the_reports():
         results = json.loads((REPORTS / report / "results.json").read_text())["results"]
         assert list(group(results)) == _lm_labels(lm.PRESETS[preset])
     for report, preset in (
-        ("recall-cpu-2026-12-02", "cpu"),
+        ("recall-cpu-2026-12-03", "cpu"),
         ("recall-cpu-baselines-2026-12-03", "cpu-baselines"),
     ):
         rows = json.loads((REPORTS / report / "results.json").read_text())["rows"]
@@ -256,7 +256,7 @@ def test_lm_titles_say_what_the_marks_are(tmp_path, saved):
         assert len({ax.get_ylim() for ax in entropy}) == 1  # one y-scale per quantity
 
 
-@pytest.mark.parametrize("report", ["recall-cpu-2026-12-02", "recall-cpu-baselines-2026-12-03"])
+@pytest.mark.parametrize("report", ["recall-cpu-2026-12-03", "recall-cpu-baselines-2026-12-03"])
 def test_recall_figures_of_the_committed_reports(report, tmp_path, saved):
     from lssar.studies.recall.plots import plot_accuracy
     from lssar.studies.recall.report import _arms, _cells

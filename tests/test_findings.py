@@ -105,3 +105,13 @@ def test_passkey_by_distance_and_sink_beyond_the_training_length():
     assert abs(rel.mean - np.mean([s / u - 1 for s, u in zip(sinks, uniform)])) < 1e-12
     every_row = _cpu("x", 'sink "softmax" @16 = 0')[0].got.mean
     assert abs(every_row - np.mean([np.mean(r["diagnostics"][at]["sink"]) for r in soft])) < 1e-12
+
+
+def test_finding_paragraphs_of_the_studies_are_findings_too():
+    text = (
+        "# x\nWhat the committed reports show\n- a\n## Orbits\ntext that ties\n\n"
+        "**Finding** (recall): the gain is matched by\nthe scale alone.\n\n## Next\n"
+    )
+    section = findings_section(text)
+    assert "- a" in section and "matched by\nthe scale" in section and "text that" not in section
+    assert equivalence_words(section) == ["matched"]

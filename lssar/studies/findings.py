@@ -15,8 +15,9 @@ marker's quantity from the report's ``results.json`` with the reports' own stati
   what a reader sees; markers may follow each other at the end of a bullet);
 - the marker's verdict disagrees with the interval: ``sig`` (the interval excludes 0: "beats",
   "worse", "supported") or ``ns`` (it includes 0: "within noise", "not separable");
-- the findings use "matches", "ties" or "as well as", which only an equivalence test may say:
-  such a bullet must carry a ``claim "..." = equivalent`` marker (below), checked true.
+- the findings (and every "**Finding" paragraph) use "matches", "matched", "ties" or "as well
+  as", which only an equivalence test may say: such a bullet must carry a ``claim "..." =
+  equivalent`` marker (below), checked true.
 
 Quantities (``@M``: the length multiple; ``beyond`` / ``within`` / ``all``: recall's and
 passkey's distance from the question, and for ``sink`` the rows past the training length):
@@ -64,7 +65,7 @@ _EXPR = re.compile(
 )
 _NUMBER = re.compile(r"[+\-−]?\d+(?:\.\d+)?")
 # only an equivalence test may say these (issue #25); the LM reports print its verdicts
-EQUIVALENCE_WORDS = ("matches", "ties", "as well as")
+EQUIVALENCE_WORDS = ("matches", "matched", "ties", "as well as")
 
 
 @dataclass(frozen=True)
@@ -239,12 +240,15 @@ def check_text(readme: str, root: Path) -> list[Check]:
 
 
 def findings_section(readme: str) -> str:
-    """The README's findings: from "What the committed reports show" to the next heading."""
+    """The README's findings: from "What the committed reports show" to the next heading, and
+    every paragraph that opens with "**Finding" (the studies' own sections)."""
+    parts = []
     start = readme.find("What the committed reports show")
-    if start < 0:
-        return ""
-    end = readme.find("\n## ", start)
-    return readme[start : end if end > 0 else len(readme)]
+    if start >= 0:
+        end = readme.find("\n## ", start)
+        parts.append(readme[start : end if end > 0 else len(readme)])
+    parts += re.findall(r"(?:^|\n)(\*\*Finding.*?)(?=\n\n|\n#|$)", readme, re.S)
+    return "\n\n".join(parts)
 
 
 def equivalence_words(text: str) -> list[str]:
