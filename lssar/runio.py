@@ -257,16 +257,21 @@ def project_relative(arg: str) -> str:
 
 # untracked files here can change results; elsewhere (new reports, notes) they cannot
 CODE_DIRS = ("lssar/", "configs/")
+# what the studies write: a regenerated report (tracked or not) cannot change results
+OUTPUT_DIRS = ("reports/",)
 
 
 def git_dirty() -> bool | None:
-    """Whether the checkout differs from its commit: any change to a tracked file, or an
-    untracked file under :data:`CODE_DIRS`. None outside a git checkout."""
+    """Whether the checkout differs from its commit: any change to a tracked file outside
+    :data:`OUTPUT_DIRS`, or an untracked file under :data:`CODE_DIRS`. None outside a git
+    checkout."""
     status = _git("status", "--porcelain")
     if status is None:
         return None
     for line in status.splitlines():
         path = line[3:].strip('"')
+        if path.startswith(OUTPUT_DIRS):
+            continue
         if not line.startswith("??") or path.startswith(CODE_DIRS):
             return True
     return False

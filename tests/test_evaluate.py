@@ -834,6 +834,7 @@ def test_environment_records_argv_relative_to_the_project(monkeypatch):
         ("?? reports/quick-2026-12-02/", False),  # a new report does not change results
         ("?? notes.txt\n?? runs-link", False),
         (" M README.md", True),  # any tracked change
+        (" M reports/recall-cpu-2026-12-03/REPORT.md", False),  # but a regenerated report
         ("?? reports/x/\n M lssar/model.py", True),
         ("?? lssar/ops/new_kernel.py", True),  # untracked code
         ("?? configs/mine.toml", True),
