@@ -210,21 +210,29 @@ def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
 
 
 def test_unpipelined_row_tile_is_only_a_fallback():
+    import torch
+
     from lssar.ops.triton import autotune as A
 
-    def kept(kind, bd, ieee, spans):
+    def kept(kind, bd, ieee, spans, tf32=False):
         prune = A._pruner(kind)
-        cfgs = prune(A._ROW_CONFIGS, {"tq_key": 1024}, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
+        args = {
+            "tq_key": 1024,
+            "Q": torch.zeros(1, dtype=torch.float32 if tf32 else torch.bfloat16),
+        }
+        cfgs = prune(A._ROW_CONFIGS, args, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
         return [(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in cfgs]
 
-    # measured: s2 spills on sm_80 with spans at head dim 128 (fp32 rows), s1 does not
-    assert kept("rows", 128, True, True) == [(16, 16, 4, 1)]
-    assert kept("rows", 128, True, False) == [(16, 16, 4, 2)]
+    # measured: fp32 rows at head dim 128 with spans spill on sm_80 in 16x16 w4 s2; the 8-warp
+    # tile (one score per thread) is pipelined and kept instead
+    assert kept("rows", 128, True, True) == [(16, 16, 8, 2)]
+    assert kept("rows", 128, True, False) == [(16, 16, 4, 2), (16, 16, 8, 2)]
+    # TF32 forward at head dim 256: every pipelined tile spilled somewhere, so the unpipelined one
+    assert kept("fwd", 256, False, False, tf32=True) == [(16, 16, 4, 1)]
     for kind in ("fwd", "rows", "dq"):
         for bd in (64, 128, 256):
             for spans in (False, True):
-                if (kind, bd, spans) != ("rows", 128, True):
-                    assert all(c[3] > 1 for c in kept(kind, bd, True, spans)), (kind, bd, spans)
+                assert all(c[3] > 1 for c in kept(kind, bd, True, spans)), (kind, bd, spans)
                 assert all(c[3] > 1 for c in kept(kind, bd, False, spans)), (kind, bd, spans)
 
 
@@ -257,27 +265,56 @@ def test_pruning_keeps_a_config_and_drops_measured_spills(bd, precision):
     q = torch.zeros(1, dtype=torch.bfloat16 if precision == "half" else torch.float32)
     lists = {"fwd": A._ROW_CONFIGS, "rows": A._ROW_CONFIGS, "dq": A._ROW_CONFIGS}
     lists["dkdv"] = A._COL_CONFIGS
+    launches = [(1, False, False), (1024, False, False), (1024, True, False), (1024, False, True)]
+    launches.append((1024, True, True))
     for kind, configs in lists.items():
-        for tq, spans in ((1, False), (1024, False), (1024, True)):
+        for tq, spans, mask in launches:
+            where = ({A.SPANS} if spans else set()) | ({A.MASK} if mask else set()) or {A.PLAIN}
             prune = A._pruner(kind)
             args = {"tq_key": tq, "Q": q}
-            kept = prune(configs, args, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
+            kept = prune(configs, args, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans, HAS_MASK=mask)
             assert kept, (kind, bd, precision)
             assert A.precision(args, {"IEEE": ieee}) == (ieee, tf32)
             for c in kept:
                 tile = (c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages)
-                key = (kind, bd, ieee, *tile)
-                assert key not in A.MEASURED_SPILLS, key
+                spilled = A.MEASURED_SPILLS.get((kind, bd, precision, *tile), frozenset())
+                assert where.isdisjoint(spilled), (kind, bd, precision, tile, where)
                 if tf32:
-                    assert (kind, bd, *tile) not in A.MEASURED_TF32_SPILLS, key
-                else:
-                    assert not spans or key not in A.MEASURED_SPAN_SPILLS, key
+                    assert A.MEASURED_SPILLS.get((kind, bd, "half", *tile)) != A.ANYWHERE
                 # TF32 at head dim 256: dq and dk/dv keep one tile over the budget (the
                 # fallback, measured not to spill)
                 if not (tf32 and bd == 256 and kind in ("dq", "dkdv")):
-                    assert A.fits(kind, c, bd, bd, ieee, spans, tf32), key
+                    assert A.fits(kind, c, bd, bd, ieee, spans, tf32, mask), (kind, tile)
                 if kind != "dkdv" and tq == 1:
                     assert c.kwargs["BM"] == 16  # decoding: no taller row tiles to tune
+                if kind != "dkdv" and not ieee:  # 16x16 with 8 warps: for FMA dots only
+                    assert c.kwargs["BM"] * c.kwargs["BN"] >= 64 * c.num_warps
+
+
+def test_measured_spills_apply_where_they_were_measured():
+    import triton
+
+    from lssar.ops.triton import autotune as A
+
+    w4 = triton.Config({"BM": 16, "BN": 16}, num_warps=4, num_stages=2)
+    w8 = triton.Config({"BM": 16, "BN": 16}, num_warps=8, num_stages=2)
+    # fp32 IEEE dq at head dim 256: 16x16 w4 spilled without spans, w8 only with them
+    assert not A.fits("dq", w4, 256, 256, True)
+    assert not A.fits("dq", w4, 256, 256, True, mask=True)
+    assert A.fits("dq", w4, 256, 256, True, spans=True)
+    assert A.fits("dq", w8, 256, 256, True)
+    assert not A.fits("dq", w8, 256, 256, True, spans=True)
+    assert not A.fits("dq", w8, 256, 256, True, spans=True, mask=True)  # both: either list
+    # a half-precision tile that spilled everywhere binds TF32 launches too; one that spilled
+    # only with spans does not (TF32 with spans was measured on its own)
+    assert A.MEASURED_SPILLS[("fwd", 128, "half", 64, 64, 8, 2)] == A.ANYWHERE
+    big = triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=2)
+    assert A._measured("fwd", big, 128, 128, False, False, True)
+    assert A.MEASURED_SPILLS[("dkdv", 128, "half", 16, 16, 8, 1)] == {A.SPANS}
+    col = triton.Config({"BM": 16, "BN": 16}, num_warps=8, num_stages=1)
+    assert A._measured("dkdv", col, 128, 128, False, True, False)  # half, spans
+    assert not A._measured("dkdv", col, 128, 128, False, False, False)  # half, no spans
+    assert not A._measured("dkdv", col, 128, 128, False, True, True)  # tf32, spans
 
 
 @pytest.mark.slow

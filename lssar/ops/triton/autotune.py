@@ -1,6 +1,6 @@
 """Autotuning of the kernels in :mod:`lssar.ops.triton.kernels`: their configurations, the pruning
 that keeps only configs expected to run without register spills within shared memory (:func:`fits`,
-``MEASURED_SPILLS``, ``MEASURED_SPAN_SPILLS``), the autotuning key and the autotuned launchers
+``MEASURED_SPILLS``), the autotuning key and the autotuned launchers
 (``fwd_tuned``, ``rows_tuned``, ``dq_tuned``, ``dkdv_tuned``) that :mod:`lssar.ops.triton.host`
 launches. Host code only: no device code here (so editing it leaves the compile check's cache,
 keyed by the kernels' source, valid).
@@ -21,9 +21,16 @@ _TUNE_KEY = [
 ]  # fmt: skip
 
 
+# Registers per thread a block may use: the hardware's 255 (the kernels launch at most 256
+# threads). Without the bound ptxas chose, for some fp32 tiles, 72-168 registers (2-4 blocks per
+# SM) and spilled 4-20 B to stay there; with it, the same PTX compiled without spills (fp32 dq at
+# head dim 256, 16x16, 4 warps, sm_80: 128 registers + 8 B spilled -> 180 registers, 0).
+MAXNREG = 255
+
+
 def _configs(shapes: list[tuple[int, int, int, int]], **flags: bool) -> list[triton.Config]:
     return [
-        triton.Config({"BM": m, "BN": n, **flags}, num_warps=w, num_stages=s)
+        triton.Config({"BM": m, "BN": n, **flags}, num_warps=w, num_stages=s, maxnreg=MAXNREG)
         for m, n, w, s in shapes
     ]
 
@@ -41,13 +48,13 @@ REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
 # the registers of half-precision ones. Set from 192 kept builds (lssar d64/128/256 causal, d128
 # with sinks, non-causal with a mask, lssa d128; sm_80 and sm_90) under the half-precision budgets:
 # 9 spilled 12-40 B (fwd at 80 words, dq at 40-56, dk/dv at 54 and 70); ptxas runs several of the
-# rest at 250-255 registers. Tiles within these that spilled anyway: MEASURED_TF32_SPILLS.
+# rest at 250-255 registers. Tiles within these that spilled anyway: MEASURED_SPILLS ("tf32").
 TF32_REG_BUDGET = {"fwd": 64, "rows": 48, "dq": 32, "dkdv": 44}
 # fp32 inputs multiply on FMA units (IEEE, no tensor cores): each thread then holds a slice of
 # both operands, which spills at any tile above a few score elements per thread (measured: 2 fit
-# at head dim 256; 4 spill there with a mask, and by 4 B at 128). dk/dv's transposed FMA products
-# spill at every tile when software pipelined (num_stages > 1), even 16x16; unpipelined, one
-# score per thread fits at 256.
+# at head dim 256 with 4 warps, except where MEASURED_SPILLS says; 1, with 8 warps, fits there
+# too; 4 spill). dk/dv's transposed FMA products spill at every tile when software pipelined
+# (num_stages > 1), even 16x16; unpipelined, one score per thread fits at 256.
 FMA_SCORES_PER_THREAD = {"fwd": 2, "rows": 2, "dq": 2, "dkdv": 1}
 
 
@@ -88,72 +95,91 @@ def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, e
     return (stages * bn * (bd + bdv) + resident) * esize
 
 
-# Tiles inside those limits that ptxas still spilled (a few bytes to a few hundred; it sometimes
-# caps a 256-thread block at 128 registers), per (kernel, padded head dim, fp32 inputs, BM, BN,
-# num_warps, num_stages), measured by compile_check on sm_80 and sm_90 (LSSAR p=15 and LSSA,
-# causal or not, with and without a mask): the kernels sit near 255 registers at most tiles.
-MEASURED_SPILLS = {
-    ("fwd", 64, False, 64, 32, 4, 2),
-    ("fwd", 128, False, 64, 64, 8, 3),
-    ("fwd", 128, False, 16, 64, 4, 2),
-    ("fwd", 256, False, 16, 64, 4, 2),
-    ("fwd", 256, False, 16, 32, 4, 2),
-    ("rows", 128, False, 128, 32, 8, 2),
-    ("rows", 128, False, 64, 64, 8, 3),
-    ("rows", 128, False, 64, 64, 8, 2),
-    ("rows", 128, False, 64, 32, 8, 2),
-    ("dq", 64, False, 64, 64, 8, 3),
-    ("dq", 64, False, 64, 64, 8, 2),
-    ("dq", 128, False, 64, 64, 8, 3),
-    ("dq", 128, False, 64, 64, 8, 2),
-    ("dq", 256, False, 16, 64, 4, 2),
-    ("dkdv", 64, False, 32, 64, 8, 2),
-    ("dkdv", 64, False, 64, 32, 4, 2),
-    ("dkdv", 64, False, 64, 32, 8, 2),
-    ("dkdv", 128, False, 64, 32, 8, 2),
-    ("dkdv", 128, False, 32, 32, 8, 2),
-    ("dkdv", 256, False, 32, 32, 8, 2),
-    ("dkdv", 256, False, 16, 16, 4, 2),
-}
-# Tiles that spilled only with key spans (HAS_SPANS: the rows' bounds and the data-dependent loop
-# bounds hold a few more registers), measured on the spans cases lssar d64/d128/d256 bf16, lssar
-# d128 fp32 (window + sinks), lssa d128 bf16 (window + sinks), lssar d128 bf16 (window), sm_80
-# and sm_90 (4 to 124 B). fp32 rows at head dim 128, 16x16 w4 s2 (the only pipelined tile the FMA
-# rule keeps there): 72 registers + 8 B spilled on sm_80 with sinks (ptxas 12.9, which Triton uses
-# below sm_90; 0 on sm_90); its unpipelined twin (16x16 w4 s1, a fallback: see _pruner) does not
-# spill there (72 registers on sm_80, 83 on sm_90), nor at head dim 64 / 256, with or without spans.
-MEASURED_SPAN_SPILLS = {
-    ("rows", 128, True, 16, 16, 4, 2),
-    ("fwd", 128, False, 64, 64, 8, 2),
-    ("dq", 64, False, 64, 32, 4, 2),
-    ("rows", 256, False, 16, 64, 4, 2),
-    ("dkdv", 128, False, 16, 16, 8, 1),
-    ("dkdv", 256, False, 16, 16, 8, 1),
-}
-
-
-# fp32 inputs on TF32 tensor cores (``IEEE=False``): tiles within TF32_REG_BUDGET (with 4-byte
-# tiles in shared memory) that ptxas spilled in some case, per (kernel, padded head dim, BM, BN,
-# num_warps, num_stages), measured by compile_check on sm_80 and sm_90 (4 to 44 B; ptxas often
-# caps these 256-thread blocks at 128 registers, or sits at 255), in the calibration cases above
-# and in seven more (lssar d64 / d256 non-causal with a mask, d64 / d256 with sinks, d128 with a
-# window; lssa d128 with sinks, lssa d64 causal).
-MEASURED_TF32_SPILLS = {
-    ("fwd", 64, 128, 32, 8, 2),  # 16 B, sm_80, lssar causal (over the budget too)
-    ("fwd", 128, 64, 64, 8, 2),  # 40 B, sm_80, lssar mask (over the budget too)
-    ("fwd", 128, 16, 32, 4, 2),  # 4 B, sm_90, lssar causal
-    ("dq", 128, 64, 32, 8, 2),  # 12 B, sm_90, lssar mask (over the budget too)
-    ("dq", 128, 16, 64, 4, 2),  # 12-28 B, sm_80 / sm_90, lssar mask, sinks (over the budget too)
-    ("dq", 256, 16, 32, 4, 2),  # 12 B, sm_90, lssar causal (over the budget too)
-    ("dkdv", 128, 16, 32, 8, 2),  # 12 B, sm_90, lssar sinks (over the budget too)
-    ("dkdv", 128, 16, 16, 4, 2),  # 12 B, sm_90, lssar mask (over the budget too)
-    ("fwd", 64, 64, 64, 8, 3),  # 44 B, sm_80, lssar sinks
-    ("fwd", 64, 64, 64, 8, 2),  # 44 B, sm_80, lssar sinks
-    ("rows", 64, 64, 64, 8, 3),  # 28 B, sm_80, lssar mask
-    ("rows", 64, 64, 64, 8, 2),  # 32 B, sm_80, lssar mask
-    ("dkdv", 64, 32, 32, 8, 2),  # 4 B, sm_90, lssar mask
-    ("dkdv", 64, 16, 32, 8, 2),  # 8 B, sm_80, lssa causal
-    ("dkdv", 256, 16, 16, 8, 1),  # 16 B, sm_80, lssar sinks (128 registers)
+# Where a measured tile spilled: launches with neither a mask nor key spans, with a mask
+# (HAS_MASK), with key spans (HAS_SPANS); a launch with both is both.
+PLAIN, MASK, SPANS = "plain", "mask", "spans"
+ANYWHERE = frozenset({PLAIN, MASK, SPANS})
+_SPANS_ONLY = frozenset({SPANS})
+# Tiles inside the limits above that ptxas still spilled (a few bytes to a few hundred; it
+# sometimes caps a 256-thread block at 80 or 128 registers), per (kernel, padded head dim,
+# precision, BM, BN, num_warps, num_stages) -> the launches they are pruned from. Precision:
+# "half" (bf16 / fp16; those that spilled anywhere also bind fp32 on TF32), "tf32" (fp32 inputs
+# on TF32 tensor cores, IEEE=False), "ieee" (fp32 on FMA units). Measured by compile_check on
+# sm_80 and sm_90 (LSSAR p=15 and LSSA, causal or not, with and without a mask, with key spans:
+# a window, sinks): the kernels sit near 255 registers at most tiles. A tile that spilled in a
+# launch without a mask or spans is pruned everywhere; one that spilled only with spans (the
+# rows' bounds and the data-dependent loop bounds hold a few more registers) only there.
+MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
+    **dict.fromkeys(
+        [
+            ("fwd", 64, "half", 64, 32, 4, 2),
+            ("fwd", 128, "half", 64, 64, 8, 3),
+            ("fwd", 128, "half", 64, 64, 8, 2),  # 16 B sm_80 fp16 full; 4-24 B with a mask
+            ("fwd", 128, "half", 16, 64, 4, 2),
+            ("fwd", 256, "half", 16, 64, 4, 2),
+            ("fwd", 256, "half", 16, 32, 4, 2),
+            ("rows", 64, "half", 64, 64, 8, 3),  # 8 B sm_80 lssar full
+            ("rows", 128, "half", 128, 32, 8, 2),
+            ("rows", 128, "half", 64, 64, 8, 3),
+            ("rows", 128, "half", 64, 64, 8, 2),
+            ("rows", 128, "half", 64, 32, 8, 2),
+            ("dq", 64, "half", 64, 64, 8, 3),
+            ("dq", 64, "half", 64, 64, 8, 2),
+            ("dq", 128, "half", 64, 64, 8, 3),
+            ("dq", 128, "half", 64, 64, 8, 2),
+            ("dq", 256, "half", 16, 64, 4, 2),
+            ("dkdv", 64, "half", 32, 64, 8, 2),
+            ("dkdv", 64, "half", 64, 32, 4, 2),
+            ("dkdv", 64, "half", 64, 32, 8, 2),
+            ("dkdv", 128, "half", 64, 32, 8, 2),
+            ("dkdv", 128, "half", 32, 64, 8, 2),  # 16-36 B sm_90 lssa full
+            ("dkdv", 128, "half", 32, 32, 8, 2),
+            ("dkdv", 256, "half", 32, 32, 8, 2),
+            ("dkdv", 256, "half", 16, 16, 4, 2),
+            # fp32 on TF32 tensor cores (4 to 44 B; ptxas often caps these 256-thread blocks at
+            # 128 registers, or sits at 255): in the calibration cases of TF32_REG_BUDGET and
+            # seven more (lssar d64 / d256 non-causal with a mask, d64 / d256 with sinks, d128
+            # with a window; lssa d128 with sinks, lssa d64 causal), then the full grid
+            ("fwd", 64, "tf32", 128, 32, 8, 2),  # 16 B, sm_80, lssar causal (over the budget)
+            ("fwd", 128, "tf32", 64, 64, 8, 2),  # 40 B, sm_80, lssar mask (over the budget)
+            ("fwd", 128, "tf32", 16, 32, 4, 2),  # 4 B, sm_90, lssar causal
+            ("fwd", 256, "tf32", 16, 16, 4, 2),  # 8 B, sm_90, lssar full
+            ("dq", 128, "tf32", 64, 32, 8, 2),  # 12 B, sm_90, lssar mask (over the budget)
+            ("dq", 128, "tf32", 16, 64, 4, 2),  # 12-28 B, lssar mask, sinks (over the budget)
+            ("dq", 256, "tf32", 16, 32, 4, 2),  # 12 B, sm_90, lssar causal (over the budget)
+            ("dkdv", 128, "tf32", 16, 32, 8, 2),  # 12 B, sm_90, lssar sinks (over the budget)
+            ("dkdv", 128, "tf32", 16, 16, 4, 2),  # 12 B, sm_90, lssar mask (over the budget)
+            ("fwd", 64, "tf32", 64, 64, 8, 3),  # 44 B, sm_80, lssar sinks
+            ("fwd", 64, "tf32", 64, 64, 8, 2),  # 44 B, sm_80, lssar sinks
+            ("rows", 64, "tf32", 64, 64, 8, 3),  # 28 B, sm_80, lssar mask
+            ("rows", 64, "tf32", 64, 64, 8, 2),  # 32 B, sm_80, lssar mask
+            ("dkdv", 64, "tf32", 32, 32, 8, 2),  # 4 B, sm_90, lssar mask
+            ("dkdv", 64, "tf32", 16, 32, 8, 2),  # 8 B, sm_80, lssa causal
+            ("dkdv", 256, "tf32", 16, 16, 8, 1),  # 16 B, sm_80, lssar sinks (128 registers)
+            # fp32 on FMA units: one score per thread (8 warps) at head dim 128-256 where two
+            # spill (4-20 B, sm_80, capped at 80 / 128 registers)
+            ("fwd", 128, "ieee", 16, 16, 4, 2),  # 4 B lssar full
+            ("fwd", 256, "ieee", 16, 16, 4, 2),  # 4 B lssar full, 16 B sinks
+            ("rows", 256, "ieee", 16, 16, 8, 2),  # 4 B lssar full
+        ],
+        ANYWHERE,
+    ),
+    ("dq", 256, "ieee", 16, 16, 4, 2): frozenset({PLAIN, MASK}),  # 8-20 B; 0 with sinks
+    ("dq", 128, "ieee", 16, 16, 4, 2): frozenset({MASK}),  # 28-52 B at 255 registers
+    **dict.fromkeys(
+        [
+            ("rows", 128, "ieee", 16, 16, 4, 2),  # 8 B sm_80 with sinks (0 on sm_90)
+            ("dq", 64, "half", 64, 32, 4, 2),
+            ("rows", 256, "half", 16, 64, 4, 2),
+            ("rows", 64, "half", 128, 32, 8, 2),  # 8 B sm_80 lssar sinks
+            ("dkdv", 128, "half", 16, 16, 8, 1),
+            ("dkdv", 256, "half", 16, 16, 8, 1),
+            ("dq", 256, "ieee", 16, 16, 8, 2),  # 8-12 B lssar sinks
+        ],
+        _SPANS_ONLY,
+    ),
+    # 8 B sm_90 lssa with a window; 4 B sm_90 lssa causal with a mask
+    ("dkdv", 256, "tf32", 16, 32, 8, 2): frozenset({SPANS, MASK}),
 }
 
 
@@ -181,16 +207,17 @@ def fits(
     ieee: bool,
     spans: bool = False,
     tf32: bool = False,
+    mask: bool = False,
 ) -> bool:
     """Whether ``cfg`` is expected to run without register spills within shared memory for a
     ``kind`` kernel ("fwd", "rows", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
     fp32 inputs in IEEE fp32 (4-byte tiles, FMA dots); ``tf32``: fp32 inputs on TF32 tensor cores
-    (``ieee`` False: 4-byte tiles, ``TF32_REG_BUDGET``, the half-precision tiles'
-    ``MEASURED_SPILLS`` and ``MEASURED_TF32_SPILLS``); ``spans``: launched with key
-    spans (``HAS_SPANS``). Key-major dk/dv tiles: where ``MEASURED_WGMMA_DKDV`` allows."""
+    (``ieee`` False: 4-byte tiles, ``TF32_REG_BUDGET``); ``spans``, ``mask``: launched with key
+    spans (``HAS_SPANS``), a mask (``HAS_MASK``), for ``MEASURED_SPILLS``. Key-major dk/dv
+    tiles: where ``MEASURED_WGMMA_DKDV`` allows."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
-    if _measured(kind, cfg, bd, bdv, ieee, spans, tf32):
+    if _measured(kind, cfg, bd, bdv, ieee, spans, tf32, mask) or _fma_only(kind, cfg, ieee):
         return False
     esize = 4 if ieee or tf32 else 2
     if _shared_bytes(kind, bm, bn, st, bd, bdv, esize) > SHARED_BUDGET:
@@ -204,21 +231,44 @@ def fits(
     return _cfg_words(kind, cfg, bd, bdv, esize) <= budget[kind]
 
 
+def _fma_only(kind: str, cfg: triton.Config, ieee: bool) -> bool:
+    """A row tile with one score per thread (16x16, 8 warps) is for fp32 on FMA units only: on
+    tensor cores it leaves half the warps idle in every product."""
+    return not ieee and kind != "dkdv" and cfg.kwargs["BM"] * cfg.kwargs["BN"] < 64 * cfg.num_warps
+
+
 def _measured(
-    kind: str, cfg: triton.Config, bd: int, bdv: int, ieee: bool, spans: bool, tf32: bool
+    kind: str,
+    cfg: triton.Config,
+    bd: int,
+    bdv: int,
+    ieee: bool,
+    spans: bool,
+    tf32: bool,
+    mask: bool = False,
 ) -> bool:
-    """Whether ``cfg`` is in the measured-spill lists that apply to the launch (a key-major dk/dv
-    tile: whether the launch is outside where it was measured clean, ``MEASURED_WGMMA_DKDV``)."""
+    """Whether ``cfg`` spilled in a measured launch like this one (``MEASURED_SPILLS``; a
+    key-major dk/dv tile: whether the launch is outside where it was measured clean,
+    ``MEASURED_WGMMA_DKDV``)."""
     tile = (cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
     if cfg.kwargs.get("KEY_MAJOR", False):
         limit = MEASURED_WGMMA_DKDV.get((*tile, bool(cfg.kwargs["ONE_GRAD"])), 0)
         return ieee or tf32 or max(bd, bdv) > limit
-    key = (kind, max(bd, bdv), ieee, *tile)
-    if key in MEASURED_SPILLS:
-        return True
-    if tf32:  # measured with TF32 (with and without spans): its own list
-        return (kind, max(bd, bdv), *tile) in MEASURED_TF32_SPILLS
-    return spans and key in MEASURED_SPAN_SPILLS
+    where = {SPANS} if spans else set()
+    where |= {MASK} if mask else set()
+    where = where or {PLAIN}
+
+    def spilled(precision: str) -> frozenset[str]:
+        return MEASURED_SPILLS.get((kind, max(bd, bdv), precision, *tile), frozenset())
+
+    if ieee:
+        hits = spilled("ieee")
+    elif tf32:  # TF32 launches with spans or a mask were measured on their own: a half-precision
+        # tile binds them only where it spilled in every kind of launch
+        hits = spilled("tf32") | (ANYWHERE if spilled("half") == ANYWHERE else frozenset())
+    else:
+        hits = spilled("half")
+    return not where.isdisjoint(hits)
 
 
 def precision(named_args: dict, kwargs: dict) -> tuple[bool, bool]:
@@ -241,7 +291,8 @@ def _pruner(kind: str):
         bd, bdv = kwargs["BD"], kwargs["BDV"]
         ieee, tf32 = precision(named_args, kwargs)
         spans = bool(kwargs.get("HAS_SPANS", False))
-        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans, tf32)]
+        mask = bool(kwargs.get("HAS_MASK", False))
+        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans, tf32, mask)]
         if kind != "dkdv":
             # unpipelined row tiles are a fallback, kept only where every pipelined one is pruned
             kept = [c for c in kept if c.num_stages > 1] or kept
@@ -250,7 +301,12 @@ def _pruner(kind: str):
             kept = short or kept[-1:]
         if not kept:  # the fewest live words, among the tiles not measured to spill if any
             esize = 4 if ieee or tf32 else 2
-            pool = [c for c in configs if not _measured(kind, c, bd, bdv, ieee, spans, tf32)]
+            flags = (ieee, spans, tf32, mask)
+            pool = [
+                c
+                for c in configs
+                if not _measured(kind, c, bd, bdv, *flags) and not _fma_only(kind, c, ieee)
+            ]
             kept = [min(pool or configs, key=lambda c: _cfg_words(kind, c, bd, bdv, esize))]
         return kept
 
@@ -259,8 +315,9 @@ def _pruner(kind: str):
 
 # Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
 # Large tiles first (the autotuner weighs those that fit at the launch's head dim and dtype),
-# then the small ones that fit at head dim 256 and with fp32 inputs, and last an unpipelined one
-# for launches where every pipelined tile spills (fp32 rows at head dim 128 with key spans). On
+# then the small ones that fit at head dim 256 and with fp32 inputs (16x16 with 8 warps, one score
+# per thread, for fp32 on FMA units only: _fma_only), and last unpipelined ones for launches where
+# every pipelined tile spills (fp32 rows at head dim 128 with key spans; TF32 at 256). On
 # sm_90 a 64-row tile with 8 warps computes its element-wise work twice (both warpgroups hold the
 # whole tile: twice the MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4
 # warps come first.
@@ -274,7 +331,9 @@ _ROW_CONFIGS = _configs(
         (16, 64, 4, 2),
         (16, 32, 4, 2),
         (16, 16, 4, 2),
+        (16, 16, 8, 2),
         (16, 16, 4, 1),
+        (16, 16, 8, 1),
     ]
 )
 # dk/dv: query-major scores (q k^T, M = BM), both gradients per program; then the tiles for

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from lssar.ops.triton import compile_check as cc
+from lssar.ops.triton.autotune import MAXNREG
 
 
 @triton.jit
@@ -108,8 +109,9 @@ class CostRow:
 def cost_table(head_dim: int = 128, dtype: str = "bf16", arch: int = 90, jobs: int = 2) -> list:
     """Per-element inner-loop counts of every kernel the host launches for lssa and lssar (causal,
     no mask), each in the first config its autotuner keeps, and of the FA2-style forward compiled
-    in each of those tiles: a kernel's ratio is to the FA2 forward in its own tile (a tile whose
-    MMA layout replicates work across warps costs both the same)."""
+    in each of those tiles (with the same register bound, ``MAXNREG``): a kernel's ratio is to
+    the FA2 forward in its own tile (a tile whose MMA layout replicates work across warps costs
+    both the same)."""
     blds = []
     for variant in ("lssa", "lssar"):
         case = cc.Case(head_dim, dtype, True, variant, False)
@@ -123,7 +125,9 @@ def cost_table(head_dim: int = 128, dtype: str = "bf16", arch: int = 90, jobs: i
         if _tile(b.config) not in fa2:
             bm, bn = (int(x) for x in b.config.split()[0].split("x"))
             warps, stages = (int(x[1:]) for x in b.config.split()[1:3])
-            cfg = triton.Config({"BM": bm, "BN": bn}, num_warps=warps, num_stages=stages)
+            cfg = triton.Config(
+                {"BM": bm, "BN": bn}, num_warps=warps, num_stages=stages, maxnreg=MAXNREG
+            )
             fa2[_tile(b.config)] = _fa2_build(head_dim, dtype, True, cfg, arch)
     rows = cc.run(blds + list(fa2.values()), jobs)
     bad = [f"{r['case']} {r['kernel']}: {r['error']}" for r in rows if not r["ok"]]

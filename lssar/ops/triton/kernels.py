@@ -1,7 +1,7 @@
 """Device code of ``impl="triton"``: the jitted kernels and the device functions they share.
 
 Device code only. The autotuning (the configurations, the pruning ``fits`` with
-``MEASURED_SPILLS`` / ``MEASURED_SPAN_SPILLS``, the autotuning key, ``prune_configs_by`` and the
+``MEASURED_SPILLS``, the autotuning key, ``prune_configs_by`` and the
 autotuned launchers ``fwd_tuned`` .. ``dkdv_tuned``) is :mod:`lssar.ops.triton.autotune`, split
 out of this module in issue #23; the host side (launch, custom ops, the public function) is
 :mod:`lssar.ops.triton.host`. At ~750 lines the device code stays one module: the four kernels
@@ -197,11 +197,14 @@ def _scores(
     if CAUSAL:
         vis = vis & (offs_n[None, :] <= offs_m[:, None] + off)
     if HAS_MASK:
+        # predicated on the bounds only, not on `vis`: the predicate is then constant along
+        # contiguous keys, so the mask tile loads as vectors (one address per vector, not one
+        # 64-bit address and predicate per score: 20-80 fewer registers at head dim 128-256)
         allowed = tl.load(
             Mblk
             + tl.arange(0, q.shape[0])[:, None] * smq
             + tl.arange(0, k.shape[0])[None, :] * smk,
-            mask=vis,
+            mask=(offs_m[:, None] < Tq) & (offs_n[None, :] < Tk),
             other=0,
         )
         vis = vis & (allowed != 0)
