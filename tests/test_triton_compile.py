@@ -116,9 +116,9 @@ def test_spilling_config_is_detected(tmp_path):
 
 
 def test_fp32_rows_with_sinks_kept_configs_do_not_spill(tmp_path):
-    # fp32 rows kernel, head dim 128, key spans with sinks: the pipelined 16x16 w4 s2 tile (the
-    # only one the FMA rule keeps) spilled 8 B on sm_80; every config kept now compiles clean on
-    # sm_80 and sm_90.
+    # fp32 rows kernel, head dim 128, key spans with sinks: the pipelined 16x16 w4 s2 tile
+    # spilled 8 B on sm_80; the tile kept now (16x16 w8 s2, one score per thread) compiles clean
+    # on sm_80 and sm_90.
     res = _run_json(
         tmp_path,
         "case = cc.Case(128, 'fp32', True, 'lssar', False, 'sinks')\n"

@@ -100,15 +100,15 @@ def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, e
 PLAIN, MASK, SPANS = "plain", "mask", "spans"
 ANYWHERE = frozenset({PLAIN, MASK, SPANS})
 _SPANS_ONLY = frozenset({SPANS})
-# Tiles inside the limits above that ptxas still spilled (a few bytes to a few hundred; it
-# sometimes caps a 256-thread block at 80 or 128 registers), per (kernel, padded head dim,
-# precision, BM, BN, num_warps, num_stages) -> the launches they are pruned from. Precision:
-# "half" (bf16 / fp16; those that spilled anywhere also bind fp32 on TF32), "tf32" (fp32 inputs
-# on TF32 tensor cores, IEEE=False), "ieee" (fp32 on FMA units). Measured by compile_check on
-# sm_80 and sm_90 (LSSAR p=15 and LSSA, causal or not, with and without a mask, with key spans:
+# Tiles inside the limits above that ptxas still spilled (a few bytes to a few hundred; most were
+# measured before MAXNREG, when ptxas capped some blocks at 72-168 registers), per (kernel, padded
+# head dim, precision, BM, BN, num_warps, num_stages) -> the launches they are pruned from.
+# Precision: "half" (bf16 / fp16; those that spilled anywhere also bind fp32 on TF32), "tf32" (fp32
+# inputs on TF32 tensor cores, IEEE=False), "ieee" (fp32 on FMA units). Measured by compile_check
+# on sm_80 and sm_90 (LSSAR p=15 and LSSA, causal or not, with and without a mask, with key spans:
 # a window, sinks): the kernels sit near 255 registers at most tiles. A tile that spilled in a
 # launch without a mask or spans is pruned everywhere; one that spilled only with spans (the
-# rows' bounds and the data-dependent loop bounds hold a few more registers) only there.
+# rows' bounds and the data-dependent loop bounds hold a few more registers) or a mask only there.
 MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
     **dict.fromkeys(
         [

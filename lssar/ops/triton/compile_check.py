@@ -150,7 +150,7 @@ def grid(name: str) -> list[Case]:
             Case(128, "fp16", False, "lssar", True),
             Case(128, "bf16", True, "lssar", False, "sinks"),
         ]
-    if name == "tf32":  # the cases TF32_REG_BUDGET and MEASURED_TF32_SPILLS were measured on
+    if name == "tf32":  # the cases TF32_REG_BUDGET and the "tf32" MEASURED_SPILLS were set on
         return [
             Case(d, "fp32", c, v, m, sp, tf32=True)
             for d, c, v, m, sp in [
