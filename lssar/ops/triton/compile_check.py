@@ -54,6 +54,7 @@ from lssar.ops.triton import host
 from lssar.ops.triton import kernels as K
 from lssar.ops.triton.sass import loop_counts, opcode_counts, sass
 from lssar.ops.variants import VARIANTS
+from lssar.runio import atomic_write
 
 # Largest shared memory one block may use (opt-in dynamic maximum), bytes.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -433,7 +434,7 @@ def run(blds: list[Build], jobs: int = 2, cache: Path | None = None) -> list[dic
         ) as ex:
             for b, res in zip(todo, ex.map(_compile_build, todo)):
                 results[b.key] = res
-                (cache / f"{b.key}.json").write_text(json.dumps(res))
+                atomic_write(cache / f"{b.key}.json", json.dumps(res))  # a kill leaves no half file
     return [{**_row_id(b), **results[b.key]} for b in blds]
 
 
