@@ -198,8 +198,9 @@ def _scores(
         vis = vis & (offs_n[None, :] <= offs_m[:, None] + off)
     if HAS_MASK:
         # predicated on the bounds only, not on `vis`: the predicate is then constant along
-        # contiguous keys, so the mask tile loads as vectors (one address per vector, not one
-        # 64-bit address and predicate per score: 20-80 fewer registers at head dim 128-256)
+        # contiguous keys, so the mask tile can load as vectors (one address per vector, not a
+        # 64-bit address and a predicate per score); measured on 192 masked half-precision
+        # builds: up to 60 fewer registers, 4 spilling builds before and none after
         allowed = tl.load(
             Mblk
             + tl.arange(0, q.shape[0])[:, None] * smq
