@@ -217,7 +217,7 @@ def fits(
     tiles: where ``MEASURED_WGMMA_DKDV`` allows."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
-    if _measured(kind, cfg, bd, bdv, ieee, spans, tf32, mask) or _fma_only(kind, cfg, ieee):
+    if _excluded(kind, cfg, bd, bdv, ieee, spans, tf32, mask):
         return False
     esize = 4 if ieee or tf32 else 2
     if _shared_bytes(kind, bm, bn, st, bd, bdv, esize) > SHARED_BUDGET:
@@ -231,10 +231,23 @@ def fits(
     return _cfg_words(kind, cfg, bd, bdv, esize) <= budget[kind]
 
 
-def _fma_only(kind: str, cfg: triton.Config, ieee: bool) -> bool:
-    """A row tile with one score per thread (16x16, 8 warps) is for fp32 on FMA units only: on
-    tensor cores it leaves half the warps idle in every product."""
-    return not ieee and kind != "dkdv" and cfg.kwargs["BM"] * cfg.kwargs["BN"] < 64 * cfg.num_warps
+def _excluded(
+    kind: str,
+    cfg: triton.Config,
+    bd: int,
+    bdv: int,
+    ieee: bool,
+    spans: bool,
+    tf32: bool,
+    mask: bool,
+) -> bool:
+    """Whether ``cfg`` is ruled out for the launch whatever the estimates say: it spilled in a
+    measured launch like this one (:func:`_measured`), or it is a row tile with one score per
+    thread (16x16, 8 warps), which is for fp32 on FMA units only (on tensor cores it leaves half
+    the warps idle in every product)."""
+    one_score = cfg.kwargs["BM"] * cfg.kwargs["BN"] < 64 * cfg.num_warps
+    fma_only = not ieee and kind != "dkdv" and one_score
+    return fma_only or _measured(kind, cfg, bd, bdv, ieee, spans, tf32, mask)
 
 
 def _measured(
@@ -299,14 +312,10 @@ def _pruner(kind: str):
             tq = named_args.get("tq_key", kwargs.get("tq_key", 1 << 30))
             short = [c for c in kept if c.kwargs["BM"] <= max(16, tq)]
             kept = short or kept[-1:]
-        if not kept:  # the fewest live words, among the tiles not measured to spill if any
+        if not kept:  # the fewest live words, among the tiles not ruled out (_excluded) if any
             esize = 4 if ieee or tf32 else 2
             flags = (ieee, spans, tf32, mask)
-            pool = [
-                c
-                for c in configs
-                if not _measured(kind, c, bd, bdv, *flags) and not _fma_only(kind, c, ieee)
-            ]
+            pool = [c for c in configs if not _excluded(kind, c, bd, bdv, *flags)]
             kept = [min(pool or configs, key=lambda c: _cfg_words(kind, c, bd, bdv, esize))]
         return kept
 
@@ -316,7 +325,7 @@ def _pruner(kind: str):
 # Row-parallel kernels (forward, rows, dq): tall query tiles; key-parallel dk/dv: tall key tiles.
 # Large tiles first (the autotuner weighs those that fit at the launch's head dim and dtype),
 # then the small ones that fit at head dim 256 and with fp32 inputs (16x16 with 8 warps, one score
-# per thread, for fp32 on FMA units only: _fma_only), and last unpipelined ones for launches where
+# per thread, for fp32 on FMA units only: _excluded), and last unpipelined ones for launches where
 # every pipelined tile spills (fp32 rows at head dim 128 with key spans; TF32 at 256). On
 # sm_90 a 64-row tile with 8 warps computes its element-wise work twice (both warpgroups hold the
 # whole tile: twice the MUFU and ALU instructions per score in the SASS), so 64-row tiles with 4

@@ -4,7 +4,7 @@ Device code only. The autotuning (the configurations, the pruning ``fits`` with
 ``MEASURED_SPILLS``, the autotuning key, ``prune_configs_by`` and the
 autotuned launchers ``fwd_tuned`` .. ``dkdv_tuned``) is :mod:`lssar.ops.triton.autotune`, split
 out of this module in issue #23; the host side (launch, custom ops, the public function) is
-:mod:`lssar.ops.triton.host`. At ~750 lines the device code stays one module: the four kernels
+:mod:`lssar.ops.triton.host`. At ~830 lines the device code stays one module: the four kernels
 share the jitted device functions (the dot, softplus, the weight rule, the span bounds) that
 Triton resolves from this module's globals.
 
