@@ -54,7 +54,6 @@ from lssar.ops.triton import host
 from lssar.ops.triton import kernels as K
 from lssar.ops.triton.sass import loop_counts, opcode_counts, sass
 from lssar.ops.variants import VARIANTS
-from lssar.runio import atomic_write
 
 # Largest shared memory one block may use (opt-in dynamic maximum), bytes.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -434,7 +433,12 @@ def run(blds: list[Build], jobs: int = 2, cache: Path | None = None) -> list[dic
         ) as ex:
             for b, res in zip(todo, ex.map(_compile_build, todo)):
                 results[b.key] = res
-                atomic_write(cache / f"{b.key}.json", json.dumps(res))  # a kill leaves no half file
+                # temp file then rename: a killed check leaves no half entry (ops sits below
+                # lssar.runio's atomic_write in the layers, so not that)
+                entry = cache / f"{b.key}.json"
+                tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(res))
+                os.replace(tmp, entry)
     return [{**_row_id(b), **results[b.key]} for b in blds]
 
 
