@@ -82,6 +82,7 @@ def test_labels_are_the_reports():
     for report, preset in (
         ("cpu-2026-12-03", "cpu"),
         ("cpu-baselines-2026-12-03", "cpu-baselines"),
+        ("cpu-paper-regime-2026-12-03", "cpu-paper-regime"),
     ):
         results = json.loads((REPORTS / report / "results.json").read_text())["results"]
         assert list(group(results)) == _lm_labels(lm.PRESETS[preset])
@@ -197,7 +198,11 @@ DIAGNOSTICS = {"entropy_sink_vs_length.png", "entropy_sink_by_row.png"}
 # figure is redrawn from its results
 @pytest.mark.parametrize(
     "report, figures",
-    [("cpu-2026-12-03", LM_FIGURES | DIAGNOSTICS), ("cpu-baselines-2026-12-03", LM_FIGURES)],
+    [
+        ("cpu-2026-12-03", LM_FIGURES | DIAGNOSTICS),
+        ("cpu-paper-regime-2026-12-03", LM_FIGURES | DIAGNOSTICS),
+        ("cpu-baselines-2026-12-03", LM_FIGURES),
+    ],
 )
 def test_lm_figures_of_the_committed_reports(report, figures, tmp_path, saved):
     results = json.loads((REPORTS / report / "results.json").read_text())["results"]
