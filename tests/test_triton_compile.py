@@ -5,12 +5,12 @@ rest of the suite (``tests/conftest.py``) decorates the kernels for the interpre
 process, so this file and ``tests/test_triton_kernels.py`` pass in one run in either order.
 The default run compiles, for each kernel of each case of the reduced grid, the config the
 autotuner may pick that is closest to spilling by the kernels' own estimate, for sm_80 and sm_90
-(56 builds, one case with key spans and sinks), and a few targeted builds (a known spilling tile,
-fp32 rows with sinks, fp32 with and without TF32, the sm_90 wgmma dk/dv tiles): 69 builds, 149 s
-measured cold on 2 busy cores (12 s of it the wgmma tiles; 228 s before them on a busier day,
-9.5 minutes once on 2 overloaded ones), 16 s warm: cached per build under
-``$LSSAR_COMPILE_CACHE`` or ``~/.cache/lssar/compile_check``; ``-m slow`` compiles every config
-of the full grid (hours on 2 cores).
+(64 builds, one case with key spans and sinks, one with ``precise=False``), and a few targeted
+builds (a known spilling tile, fp32 rows with sinks, fp32 with and without TF32, the sm_90 wgmma
+dk/dv tiles): 77 builds (69 before the ``precise=False`` case: 149 s measured cold on 2 busy
+cores, 228 s on a busier day, 9.5 minutes once on 2 overloaded ones; 16 s warm), cached per
+build under ``$LSSAR_COMPILE_CACHE`` or ``~/.cache/lssar/compile_check``; ``-m slow`` compiles
+every config of the full grid (hours on 2 cores).
 """
 
 import json
@@ -74,6 +74,20 @@ def test_reduced_grid_covers_every_kernel_and_arch(reduced):
     assert {(r["kernel"], r["arch"]) for r in rows if r["spans"] == "sinks"} == {
         (k, a) for k in kernels for a in (80, 90)
     }
+    # precise=False (SPLIT=False: half-precision weights rounded once): every kernel, both archs
+    assert {(r["kernel"], r["arch"]) for r in rows if not r["precise"]} == {
+        (k, a) for k in kernels for a in (80, 90)
+    }
+
+
+def test_precise_option_reaches_the_kernels(tmp_path):
+    # a case's precise is the host's option: SPLIT in every half-precision launch it records
+    out = _run_json(
+        tmp_path,
+        "print(json.dumps({str(p): sorted({ln.kwargs['SPLIT'] for ln in cc.launches("
+        "cc.Case(128, 'bf16', True, 'lssar', False, precise=p))}) for p in (True, False)}))",
+    )
+    assert out == {"True": [True], "False": [False]}
 
 
 def test_reduced_grid_compiles_within_resources_without_spills(reduced):
@@ -81,13 +95,16 @@ def test_reduced_grid_compiles_within_resources_without_spills(reduced):
 
 
 def test_sm90_half_precision_main_loops_use_wgmma(reduced):
-    # wgmma needs M % 64 == 0: a config whose MMA tiles are all shorter (decoding rows) is exempt;
-    # the LSSA rows kernel has no matrix product at all.
+    # wgmma needs M % 64 == 0: a config whose MMA tiles are all shorter is exempt (in fwd, rows
+    # and dq every product has M = BM, so a 16x64 tile runs HMMA; dk/dv has products with M = BM
+    # and M = BN); the LSSA rows kernel has no matrix product at all. Held over the full grid's
+    # kept builds and the fast grid's riskiest (564 sm_90 builds with a 64-row product: all HGMMA).
     rows, _ = reduced
     checked = 0
     for r in rows:
         bm, bn = (int(x) for x in r["config"].split()[0].split("x"))
-        if r["arch"] != 90 or r["dtype"] == "fp32" or max(bm, bn) < 64:
+        m = max(bm, bn) if r["kernel"] == "dkdv" else bm
+        if r["arch"] != 90 or r["dtype"] == "fp32" or m < 64:
             continue
         if r["kernel"] == "rows" and r["variant"] == "lssa":
             continue

@@ -1,9 +1,9 @@
 """Ahead-of-time compile check of the Triton kernels for sm_80 / sm_90, on a machine without a GPU.
 
-``python -m lssar.ops.triton.compile_check [--grid reduced|full|tf32] [--arch 80 90] [--kept-only]
-[--riskiest N] [--jobs N] [--cache DIR] [--json FILE]`` (exit status 1 if :func:`problems` finds
-any: a build that does not compile, or a config the autotuner keeps that spills registers or
-exceeds shared memory).
+``python -m lssar.ops.triton.compile_check [--grid reduced|full|tf32|fast] [--arch 80 90]
+[--kept-only] [--riskiest N] [--jobs N] [--cache DIR] [--json FILE]`` (exit status 1 if
+:func:`problems` finds any: a build that does not compile, or a config the autotuner keeps that
+spills registers or exceeds shared memory).
 
 The interpreter (how the tests run the kernels without a GPU) accepts code that real hardware
 rejects or runs slowly. This module compiles every ``@triton.jit`` kernel x every autotune config
@@ -75,7 +75,9 @@ class Case:
     same with sink tokens; the causal rule is then folded into the spans, as ``lssar.attention``
     does, and the kernels run with ``HAS_SPANS`` / ``HAS_SINKS``); ``tf32``: launched with
     ``torch.backends.cuda.matmul.allow_tf32`` set (fp32 inputs then run on TF32 tensor cores,
-    ``IEEE=False``; no effect on half-precision inputs)."""
+    ``IEEE=False``; no effect on half-precision inputs); ``precise``: the host's option of that
+    name (``False``: half-precision weights go into the value product rounded once, ``SPLIT=False``;
+    no effect on fp32 inputs)."""
 
     head_dim: int
     dtype: str  # a key of _DTYPES
@@ -84,6 +86,7 @@ class Case:
     mask: bool
     spans: str = ""  # a key of _SPANS
     tf32: bool = False
+    precise: bool = True
 
     @property
     def label(self) -> str:
@@ -91,6 +94,7 @@ class Case:
         flags = ("causal" if self.causal else "full") + (" mask" if self.mask else "")
         flags += f" {self.spans}" if self.spans else ""
         flags += " tf32" if self.tf32 else ""
+        flags += "" if self.precise else " fast"
         return f"{self.variant} d{self.head_dim} {self.dtype} {flags}"
 
 
@@ -104,12 +108,14 @@ def grid(name: str) -> list[Case]:
     ``full``: head dim 64/128/256 x bf16/fp16/fp32 x causal or not x lssa/lssar x mask or not,
     and the same head dims, dtypes and variants with causal spans (window, window + sinks), and
     fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans).
-    ``reduced`` (the default test run): the combinations whose resources differ most (head dim
-    128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case;
-    one with spans and sinks, the superset of the span code); causal, mask and spans add a few
-    integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases with TF32 allowed
-    that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a mask, sinks, a
-    window; lssa 64/128).
+    ``reduced`` (the default test run): the combinations whose resources differ most (head dim 128
+    in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case; one
+    with spans and sinks, the superset of the span code; one with ``precise=False``); causal, mask
+    and spans add a few integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases
+    with TF32 allowed that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a
+    mask, sinks, a window; lssa 64/128). ``fast``: the ``full`` grid's bf16 / fp16 cases with
+    ``precise=False`` (``impl_options={"precise": False}``), which only the half-precision launches
+    read.
     """
     if name == "full":
         plain = [
@@ -149,6 +155,7 @@ def grid(name: str) -> list[Case]:
             Case(128, "bf16", True, "lssa", False),
             Case(128, "fp16", False, "lssar", True),
             Case(128, "bf16", True, "lssar", False, "sinks"),
+            Case(128, "bf16", True, "lssar", False, precise=False),
         ]
     if name == "tf32":  # the cases TF32_REG_BUDGET and the "tf32" MEASURED_SPILLS were set on
         return [
@@ -169,7 +176,13 @@ def grid(name: str) -> list[Case]:
                 (64, True, "lssa", False, ""),
             ]
         ]
-    raise ValueError(f"unknown grid {name!r}: 'reduced', 'full' or 'tf32'")
+    if name == "fast":
+        return [
+            dataclasses.replace(c, precise=False)
+            for c in grid("full")
+            if c.dtype in ("bf16", "fp16")
+        ]
+    raise ValueError(f"unknown grid {name!r}: 'reduced', 'full', 'tf32' or 'fast'")
 
 
 @dataclasses.dataclass
@@ -226,7 +239,7 @@ def launches(case: Case) -> list[Launch]:
             sink_tokens=_SPANS[case.spans],
         )  # fmt: skip
     causal = case.causal and spans is None  # folded into the spans, as lssar.attention does
-    args = (mask, causal, float(c), log_n, bool(variant.qk_norm), p, True)  # precise default
+    args = (mask, causal, float(c), log_n, bool(variant.qk_norm), p, case.precise)
     recorded: list[Launch] = []
 
     def record(kernel, tuned, rows, parallel, *a, **kw):
@@ -501,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m lssar.ops.triton.compile_check", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--grid", default="reduced", choices=("reduced", "full", "tf32"))
+    ap.add_argument("--grid", default="reduced", choices=("reduced", "full", "tf32", "fast"))
     ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=ARCHS)
     ap.add_argument(
         "--kept-only", action="store_true", help="only configs the autotuner's pruning keeps"
