@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from lssar.studies import findings
 from lssar.studies.findings import (
     check_text,
     equivalence_words,
     findings_section,
     main,
+    marked_paragraphs,
 )
 from lssar.studies.lm.figures import label_of
 
@@ -68,20 +72,42 @@ def _cpu(sentence: str, marker: str) -> list:
     return check_text(f"\n- {sentence}\n  <!-- check {CPU}: {marker} -->\n", ROOT)
 
 
+ANCHOR = 'loss "lssar p=15" - "softmax" @16 = −0.60 ± 0.16; sig'
+
+
+def _claim(claim: str, word: str) -> str | None:
+    """The problem of ``claim`` judged on LSSAR − softmax at 16x, whose sentence says ``word``."""
+    text = (
+        f"\n- LSSAR − softmax at 16x: −0.60 ± 0.16, {word}.\n"
+        f"  <!-- check {CPU}: {ANCHOR} -->\n  <!-- check {CPU}: {claim} -->\n"
+    )
+    return check_text(text, ROOT)[1].problem
+
+
 def test_claim_markers_are_held_to_the_reports_holm_verdicts():
-    assert _cpu("x", 'claim "LSSAR beats softmax at" = supported')[0].problem is None
-    wrong = _cpu("x", 'claim "LSSAR beats softmax at" = within noise')[0].problem
+    assert _claim('claim "LSSAR beats softmax at" = supported', "supported") is None
+    wrong = _claim('claim "LSSAR beats softmax at" = within noise', "within noise")
     assert "verdict is 'supported', not 'within noise'" in wrong
-    flat = _cpu("x", 'claim "LSSAR (p=15) loss stays nearly flat" = contradicted')
-    assert flat[0].problem is None
+    flat = _claim('claim "LSSAR (p=15) loss stays nearly flat" = contradicted', "contradicted")
+    assert flat is None
     # "equivalent" only for an equivalence claim that TOST supports
-    tost = _cpu("x", 'claim "LSSAR matches softmax at the training" = equivalent')
-    assert tost[0].problem is None
-    directional = _cpu("x", 'claim "LSSAR beats softmax at" = equivalent')[0].problem
+    tost = _claim('claim "LSSAR matches softmax at the training" = equivalent', "equivalent")
+    assert tost is None
+    directional = _claim('claim "LSSAR beats softmax at" = equivalent', "equivalent")
     assert "directional" in directional
-    ambiguous = _cpu("x", 'claim "Fine-tuning-free" = contradicted')[0].problem
+    ambiguous = _claim('claim "Fine-tuning-free" = contradicted', "contradicted")
     assert "4 declared claims start with" in ambiguous
-    assert "cannot read 'flat'" in _cpu("x", 'claim "LSSAR beats softmax at" = flat')[0].problem
+    assert "cannot read 'flat'" in _claim('claim "LSSAR beats softmax at" = flat', "flat")
+
+
+def test_a_claim_must_be_said_of_the_quantity_it_is_judged_on():
+    claim = 'claim "LSSAR beats softmax at" = supported'
+    assert _claim(claim, "as the paper says") == (
+        "no verdict word says 'supported' of '−0.60 ± 0.16'"
+    )
+    assert _claim(claim, "so LSSAR beats softmax") is None  # a direction word says it
+    alone = check_text(f"\n- x\n  <!-- check {CPU}: {claim} -->\n", ROOT)[0].problem
+    assert alone == "a claim marker follows the marker of the quantity it is judged on"
 
 
 def test_only_a_checked_equivalence_claim_lets_a_bullet_say_matches():
@@ -115,3 +141,85 @@ def test_finding_paragraphs_of_the_studies_are_findings_too():
     section = findings_section(text)
     assert "- a" in section and "matched by\nthe scale" in section and "text that" not in section
     assert equivalence_words(section) == ["matched"]
+
+
+# ------------------------------------------------------------ the prose held to the markers (#44)
+
+README = (ROOT / "README.md").read_text()
+COMMENT = re.compile(r"<!--.*?-->", re.S)
+# a word of the opposite verdict for each kind of VERDICT_WORDS
+OPPOSITE = {
+    "better": "is worse than",
+    "worse": "beats",
+    "holm": "beats",
+    "noise": "beats",
+    "sig": "within noise",
+    "supported": "contradicted",
+    "contradicted": "supported",
+    "equivalent": "contradicted",
+}
+
+
+def _prose_spans(block: str, pattern: re.Pattern) -> list[re.Match]:
+    """The matches of ``pattern`` in ``block`` outside its HTML comments."""
+    comments = [m.span() for m in COMMENT.finditer(block)]
+    return [m for m in pattern.finditer(block) if not any(a <= m.start() < b for a, b in comments)]
+
+
+def _fails(block: str) -> bool:
+    return any(c.problem for c in check_text(block, ROOT))
+
+
+def test_the_issues_edits_of_the_readme_fail(tmp_path):
+    """The five edits of issue #44, each of which the marker-only checker passed ("110 of 110
+    markers agree"), on a copy of the README beside the same reports."""
+    (tmp_path / "reports").symlink_to(ROOT / "reports")
+    copy = tmp_path / "README.md"
+    copy.write_text(README)
+    assert main([str(copy)]) == 0
+    for old, new in [
+        ("LSSAR p=15 beats softmax+RoPE", "LSSAR p=15 is worse than softmax+RoPE"),
+        ("on top of it is within noise", "on top of it beats"),
+        ("against the paper's 1.04: contradicted", "against the paper's 1.04: supported"),
+        ("(16x: 2.22 ± 0.05", "(16x: 12.22 ± 0.05"),
+        ("difference −0.60 ± 0.16", "difference −0.60 ± 0.169"),
+    ]:
+        assert README.count(old) == 1, old
+        copy.write_text(README.replace(old, new))
+        assert main([str(copy)]) == 1, (old, new)
+
+
+def test_every_verdict_word_of_the_readme_turned_around_fails():
+    """Each verdict word of a marked paragraph, replaced by one of the opposite verdict."""
+    passed = []
+    for start, end in marked_paragraphs(README):
+        block = README[start:end]
+        for m in _prose_spans(block, re.compile(findings._WORDS.pattern, re.I)):
+            edited = block[: m.start()] + OPPOSITE[m.lastgroup] + block[m.end() :]
+            if not _fails(edited):
+                passed.append((m.group(), block[max(0, m.start() - 40) : m.end() + 40]))
+    assert passed == []
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda n: "1" + n.lstrip("+-−") if n[0] not in "+-−" else n[0] + "1" + n[1:],  # 12.22
+        lambda n: n[:-1] + "9" + n[-1] if n.endswith("%") else n + "9",  # 0.169
+        lambda n: ("−" + n) if n[0] not in "+-−" else ("+" if n[0] in "-−" else "−") + n[1:],
+    ],
+    ids=["a digit before", "a digit after", "the sign"],
+)
+def test_every_number_of_the_readme_edited_fails(edit):
+    number = re.compile(r"(?<![\w.])[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?%?")
+    passed = []
+    for start, end in marked_paragraphs(README):
+        block = README[start:end]
+        for m in _prose_spans(block, number):
+            n = m.group()
+            if not ("." in n or n.endswith("%")):
+                continue  # an integer (16x, 3 seeds, p=15): the setting, not a measurement
+            edited = block[: m.start()] + edit(n) + block[m.end() :]
+            if not _fails(edited):
+                passed.append((n, edit(n), block[max(0, m.start() - 40) : m.end() + 40]))
+    assert passed == []

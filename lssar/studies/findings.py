@@ -11,14 +11,33 @@ marker's quantity from the report's ``results.json`` with the reports' own stati
 95% t-intervals over seeds, differences paired by seed), and fails when
 
 - the recomputed value, rounded as the quoted text is, differs from it;
-- the quoted text is not in the bullet or paragraph the marker closes (so the marker vouches for
-  what a reader sees; markers may follow each other at the end of a bullet);
-- the marker's verdict disagrees with the interval: ``sig`` (the interval excludes 0: "beats",
-  "worse", "supported") or ``ns`` (it includes 0: "within noise", "not separable");
+- the marker's verdict disagrees with the interval: ``sig`` (it excludes 0) or ``ns`` (it
+  includes 0);
 - the findings (and every "**Finding" paragraph) use "matches", "matched", "ties" or "as well
   as", which only an equivalence test may say: such a bullet must carry a ``claim "..." =
   equivalent`` marker (below), checked true.
 
+and it holds the prose of every bullet or paragraph that carries markers to them (issue #44:
+a checker of markers alone passed "beats" edited to "is worse than", "2.22" to "12.22"):
+
+- *numbers*: each quoted text stands in the prose as whole numbers, sign included ("2.22" is not
+  found in "12.22", "± 0.16" not in "± 0.169", "0.60" not in "−0.60"; the k-th marker of a text
+  at its k-th occurrence, the last one also at later repetitions), and every measurement in the
+  prose (a decimal or a percentage) is quoted by a marker, or listed with its source in a note
+  ``<!-- given 1.04, 2.20: the paper's 16x / 1x ratios -->`` (the paper's values, a chance
+  level, a threshold: numbers no report holds);
+- *verdict words* (:data:`VERDICT_WORDS`: "beats", "better", "gains", "worse", "loses", "within
+  noise", "not separable", "excludes 0", "supported", "contradicted", ...): each is bound to the
+  nearest checked quantity of its sentence (a difference with a verdict, or the quantity a
+  claim is judged on): the first after it before the next verdict word, else the last before it
+  since the previous one, else the nearest before, else after it; and must follow from it. A
+  direction word needs an interval that excludes 0 and the right sign: the sentence speaks of
+  the marker's first arm, unless the marker ends ``; sig; said of "B"`` (a lower loss, a higher
+  passkey or recall accuracy is better; a sink's mass is neither). A noise word needs an
+  interval that includes 0 (or a claim within noise), a claim word the claim's verdict;
+- *claims*: a claim marker is judged on the quantity of the marker before it, and some verdict
+  word bound to that quantity must say its verdict ("supported" may be said by a direction
+  word).
 Quantities (``@M``: the length multiple; ``beyond`` / ``within`` / ``all``: recall's and
 passkey's distance from the question, and for ``sink`` the rows past the training length):
 
@@ -43,17 +62,19 @@ Percent-valued text (``60.1 ± 6.9%``, ``−37.6 ± 9.3 points``) is compared as
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lssar.studies.stats import Interval, mean_ci
 
 MARKER = re.compile(
     r"<!--\s*check\s+(?P<report>\S+?):\s*(?P<expr>.+?)\s+=\s+(?P<text>[^;]+?)"
-    r"(?:;\s*(?P<verdict>sig|ns))?\s*-->",
+    r"(?:;\s*(?P<verdict>sig|ns))?(?:;\s*said of\s+\"(?P<subject>[^\"]+)\")?\s*-->",
     re.S,
 )
 _CLAIM = re.compile(r'claim\s+"(?P<prefix>[^"]+)"$')
@@ -81,9 +102,16 @@ class Check:
     problem: str | None = None
 
 
+@functools.cache
+def _results(report: Path) -> dict[str, Any]:
+    """A report's results.json, read once per process (the checker reads many markers of one
+    report; nothing here writes it)."""
+    return json.loads((report / "results.json").read_text())
+
+
 def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> dict[int, float]:
     """seed -> the quantity ``q`` of ``arm`` at multiple ``m`` in the report's results.json."""
-    data = json.loads((report / "results.json").read_text())
+    data = _results(report)
     if q == "sink" and arm == "uniform":  # uniform attention over the same rows, per seed
         key = "uniform_sink_beyond" if dist == "beyond" else "uniform_sink"
         return {
@@ -125,6 +153,7 @@ def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> di
     return out
 
 
+@functools.cache
 def quantity(report: Path, expr: str) -> Interval:
     """The interval a marker's expression names (see the module docstring)."""
     e = _EXPR.match(expr.strip())
@@ -145,6 +174,7 @@ def quantity(report: Path, expr: str) -> Interval:
     return mean_ci([va[s] / vb[s] - 1 for s in seeds])
 
 
+@functools.cache
 def claim_verdict(report: Path, prefix: str) -> tuple[str, bool]:
     """(verdict after Holm, whether it is an equivalence claim) of the declared claim of the LM
     report whose text starts with ``prefix``, recomputed from its results.json as the report
@@ -153,7 +183,7 @@ def claim_verdict(report: Path, prefix: str) -> tuple[str, bool]:
     from lssar.studies.lm.verdicts import declared_claims, losses_of
     from lssar.studies.stats import judge_claims
 
-    results = json.loads((report / "results.json").read_text())["results"]
+    results = _results(report)["results"]
     train = results[0]["train_len"]
     multiples = sorted({int(n) // train for r in results for n in r["loss"]})
     claims = declared_claims(losses_of(group(results), multiples), multiples)
@@ -210,33 +240,238 @@ def _norm(s: str) -> str:
     return re.sub(r"\s+", " ", s.replace("−", "-"))
 
 
-def check_text(readme: str, root: Path) -> list[Check]:
-    """Every marker of ``readme`` (reports relative to ``root``), checked."""
-    out = []
-    for mk in MARKER.finditer(readme):
-        line = readme.count("\n", 0, mk.start()) + 1
+# ------------------------------------------------------------------------ prose, held to markers
+
+# The words that state a verdict, by what they claim of the quantity they are bound to (the
+# nearest checked difference or claim in their sentence: check_text). "better" / "worse": the
+# sentence's subject (the marker's first arm, unless it says `said of "B"`) has the better /
+# worse value (lower loss; higher passkey or recall accuracy) beyond noise; "holm": the claim
+# judged on it is within noise (or not separable) after Holm's correction; "noise": the interval
+# includes 0 (a claim's verdict where the quantity has no interval verdict); "sig": it excludes
+# 0. A claim word must be the claim's verdict; "supported" of a plain difference: it excludes 0.
+VERDICT_WORDS: dict[str, tuple[str, ...]] = {
+    "better": (
+        "beats?",
+        "better",
+        "best",
+        "gains?",
+        "wins?",
+        "rescues?",
+        "helps?",
+        "retrieves more",
+    ),
+    "worse": ("worse", "loses?", "hurts?", "costs?"),
+    "holm": ("within noise after holm", "not separable after holm"),
+    "noise": ("within noise", "not separable", "does not separate", "includes 0"),
+    "sig": ("beyond noise", "excludes? 0"),
+    "supported": ("supported",),
+    "contradicted": ("contradict(?:ed|ing|s)?",),
+    "equivalent": ("equivalent",),
+}
+_WORDS = re.compile(  # matched in the lowercased prose
+    "|".join(rf"(?P<{kind}>\b(?:{'|'.join(w)})\b)" for kind, w in VERDICT_WORDS.items())
+)
+# lower is better for a loss, higher for an accuracy; a sink's mass is neither
+_HIGHER_IS_BETTER = {"loss": False, "passkey": True, "recall": True}
+# a note for numbers of a finding that no report holds (the paper's values, a chance level, a
+# threshold): <!-- given 1.04, 2.20: the paper's Table 2 -->
+GIVEN = re.compile(r"<!--\s*given\s+(?P<nums>[^:]+?):\s*(?P<why>.+?)\s*-->", re.S)
+# a number as written, its sign and percent sign included ("1,800" is one number)
+_TOKEN = re.compile(r"(?<![\w.])(?:[+\-](?=\d))?\d+(?:,\d{3})*(?:\.\d+)?%?")
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)\.(?=\**(?:\s|$))")
+_CLAIM_WORDS = {
+    "supported": ("supported", "better", "worse"),
+    "contradicted": ("contradicted",),
+    "within noise": ("noise", "holm"),
+    "not separable at this power": ("noise", "holm"),
+    "equivalent": ("equivalent",),
+}
+
+
+def _quoted_at(text: str, prose: str) -> list[tuple[int, int]]:
+    """Where ``text`` (normalised) stands in ``prose`` as whole numbers: "2.22" is not in
+    "12.22", "± 0.16" not in "± 0.169", an unsigned "0.60" not in "-0.60"."""
+    t = _norm(text).strip()
+    head = r"(?<![\d.])" + (r"(?<![+\-])" if t[:1].isdigit() else "")
+    tail = r"(?!\d)(?!\.\d)" if t[-1:].isdigit() else ""
+    return [(m.start(), m.end()) for m in re.finditer(head + re.escape(t) + tail, prose)]
+
+
+def _measurements(prose: str) -> list[tuple[int, int, str]]:
+    """The numbers of ``prose`` that state a measurement: a decimal or a percentage."""
+    return [
+        (m.start(), m.end(), m.group())
+        for m in _TOKEN.finditer(prose)
+        if "." in m.group() or m.group().endswith("%")
+    ]
+
+
+@dataclass
+class _Quote:
+    """A marker of a paragraph: its check, its quantity (``q``, ``op``, arms, the subject its
+    sentence speaks of), where its text stands in the prose, the claim markers judged on it and
+    the kinds of the verdict words bound to it."""
+
+    check: Check
+    q: str | None = None
+    op: str | None = None
+    arms: tuple[str, ...] = ()
+    subject: str | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    claims: list[int] = field(default_factory=list)
+    words: list[str] = field(default_factory=list)
+
+
+def _word_problem(kind: str, word: str, quote: _Quote, claim: str | None) -> str | None:
+    """Why ``word`` (of ``kind``) does not follow from the quantity ``quote`` it is bound to
+    (``claim``: the verdict of the claim judged on it, if any), or None."""
+    c, iv = quote.check, quote.check.got
+    raw = quote.op is not None and c.verdict is not None  # a difference with its own verdict
+    of_claim = kind in ("holm", "contradicted", "equivalent") or (
+        claim is not None and (kind == "supported" or (kind == "noise" and not raw))
+    )
+    if of_claim:
+        if claim is None:
+            return f"{word!r} needs a claim marker judged on {c.text!r}"
+        return None if kind in _CLAIM_WORDS[claim] else f"{word!r}: the claim is {claim!r}"
+    if not raw:
+        return f"{word!r} is bound to {c.text!r}, which is no difference with a verdict"
+    if kind == "noise":
+        return None if c.verdict == "ns" else f"{word!r}, but {c.text!r} excludes 0 (sig)"
+    if c.verdict != "sig":
+        return f"{word!r} needs an interval that excludes 0; {c.text!r} includes it (ns)"
+    if kind in ("sig", "supported"):
+        return None
+    higher = _HIGHER_IS_BETTER.get(quote.q or "")
+    if higher is None:
+        return f"{word!r} says better or worse of a {quote.q} quantity, which has neither"
+    first_better = (iv.mean > 0) == higher
+    better = first_better if quote.subject in (None, quote.arms[0]) else not first_better
+    if better == (kind == "better"):
+        return None
+    who = quote.subject or quote.arms[0]
+    return f"{word!r} of {who!r}, but {c.text!r} makes it {'better' if better else 'worse'}"
+
+
+def _paragraph(block: str, start: int, readme: str, root: Path) -> list[Check]:
+    """The checks of one bullet or paragraph ``block`` (at ``start`` in ``readme``): its
+    markers against their reports, then its prose against its markers."""
+    prose = _norm(GIVEN.sub("", MARKER.sub("", block)))
+    quotes: list[_Quote] = []
+    for mk in MARKER.finditer(block):
+        line = readme.count("\n", 0, start + mk.start()) + 1
         c = Check(line, mk["report"], _norm(mk["expr"]), mk["text"].strip(), mk["verdict"])
         claim = _CLAIM.match(c.expr)
-        if claim is not None:
+        if claim is not None:  # judged on the quantity of the marker before it
+            anchor = next((q for q in reversed(quotes) if q.q is not None), None)
             try:
                 problem = _claim_problem(root / c.report, claim["prefix"], c.text)
             except (OSError, KeyError, ValueError) as exc:
                 problem = str(exc)
-            out.append(Check(**{**c.__dict__, "problem": problem}))
+            if problem is None and anchor is None:
+                problem = "a claim marker follows the marker of the quantity it is judged on"
+            if anchor is not None:
+                anchor.claims.append(len(quotes))
+            quotes.append(_Quote(Check(**{**c.__dict__, "problem": problem})))
             continue
+        quote = _Quote(c)
+        if (e := _EXPR.match(c.expr.strip())) is not None:
+            quote.q, quote.op, quote.arms, quote.subject = (
+                e["q"],
+                e["op"],
+                (e["a"], e["b"]),
+                mk["subject"],
+            )
         try:
             iv = quantity(root / c.report, c.expr)
         except (OSError, KeyError, ValueError) as exc:
-            out.append(Check(**{**c.__dict__, "problem": str(exc)}))
+            quote.check = Check(**{**c.__dict__, "problem": str(exc)})
+            quotes.append(quote)
             continue
-        # the bullet or paragraph the marker ends (its markers removed)
-        start = max(readme.rfind("\n- ", 0, mk.start()), readme.rfind("\n\n", 0, mk.start()))
-        before = MARKER.sub("", readme[max(start, 0) : mk.start()])
         problem = _agrees(c.text, iv) or _verdict_problem(c.verdict, iv)
-        if problem is None and _norm(c.text) not in _norm(before):
+        if problem is None and quote.subject is not None and quote.subject not in quote.arms:
+            problem = f"said of {quote.subject!r}, which is neither arm of {c.expr!r}"
+        # the k-th marker of a text stands at its k-th occurrence; the last one also at any
+        # later repetition (a number restated, in a bullet's lead and its body)
+        same = [q for q in quotes if q.check.text == c.text and q.spans]
+        at = _quoted_at(c.text, prose)
+        if same and len(same[-1].spans) > 1:  # the previous marker of this text took them all
+            at = same[-1].spans[1:]
+            same[-1].spans = same[-1].spans[:1]
+        elif same:
+            at = at[len(same) :]
+        if problem is None and not at:
             problem = f"{c.text!r} is not in the sentence before the marker"
-        out.append(Check(**{**c.__dict__, "got": iv, "problem": problem}))
+        quote.spans = at
+        quote.check = Check(**{**c.__dict__, "got": iv, "problem": problem})
+        quotes.append(quote)
+    line = readme.count("\n", 0, start) + 1 + (readme[start : start + 1] == "\n")
+    extra: list[Check] = []
+
+    def flag(text: str, problem: str) -> None:
+        extra.append(Check(line, "", "(prose)", text, None, problem=problem))
+
+    # every measurement in the prose is quoted by a marker, or given with its source
+    given = [_norm(n).strip() for g in GIVEN.finditer(block) for n in g["nums"].split(",")]
+    for n in given:
+        if not _quoted_at(n, prose):
+            flag(n, f"given {n!r} is not in the paragraph")
+    spans = [sp for q in quotes for sp in q.spans]
+    for a, b, num in _measurements(prose):
+        if not any(x <= a and b <= y for x, y in spans) and num not in given:
+            flag(num, f"{num!r} is quoted by no marker (add one, or a `given` note: its source)")
+    # every verdict word is bound to the nearest checked quantity of its sentence and follows
+    # from it: the first after it before the next verdict word, else the last before it since
+    # the previous one, else the nearest before it, else after it; every claim is said of the
+    # quantity it is judged on
+    bearers = sorted(
+        (sp, q) for q in quotes if (q.op and q.check.verdict) or q.claims for sp in q.spans
+    )
+    words = [(m.start(), m.end(), m.lastgroup, m.group()) for m in _WORDS.finditer(prose.lower())]
+    ends = [m.end() for m in _SENTENCE_END.finditer(prose)] + [len(prose)]
+    for k, (a, b, kind, word) in enumerate(words):
+        s0 = max([0] + [e for e in ends if e <= a])
+        s1 = min(e for e in ends if e > a)
+        nxt = words[k + 1][0] if k + 1 < len(words) else len(prose)
+        prev = words[k - 1][1] if k else 0
+        here = [(x, y, q) for (x, y), q in bearers if s0 <= x and y <= s1]
+        ahead = [q for x, y, q in here if b <= x and y <= nxt]
+        behind = [q for x, y, q in here if prev <= x and y <= a]
+        before = [q for x, y, q in here if y <= a]
+        after = [q for x, y, q in here if b <= x]
+        bound = (ahead[:1] or behind[-1:] or before[-1:] or after[:1] or [None])[0]
+        if bound is None:
+            flag(word, f"{word!r} is bound to no checked difference or claim in its sentence")
+            continue
+        claim = quotes[bound.claims[-1]].check.text if bound.claims else None
+        if (problem := _word_problem(kind, word, bound, claim)) is not None:
+            flag(word, problem)
+        bound.words.append(kind)
+    for q in quotes:
+        for i in q.claims:
+            claim = quotes[i].check
+            if claim.problem is None and not set(q.words) & set(_CLAIM_WORDS[claim.text]):
+                problem = f"no verdict word says {claim.text!r} of {q.check.text!r}"
+                quotes[i].check = Check(**{**claim.__dict__, "problem": problem})
+    return [q.check for q in quotes] + extra
+
+
+def check_text(readme: str, root: Path) -> list[Check]:
+    """Every marker of ``readme`` (reports relative to ``root``), checked, and the prose of every
+    bullet or paragraph that carries markers held to them: each quoted text stands in it as
+    whole numbers, sign included; each measurement in it is quoted by a marker (or given with
+    its source); each verdict word follows from the quantity it is bound to; each claim is said.
+    A problem of the prose is a :class:`Check` with ``expr == "(prose)"``."""
+    out: list[Check] = []
+    for a, b in marked_paragraphs(readme):
+        out += _paragraph(readme[a:b], a, readme, root)
     return out
+
+
+def marked_paragraphs(readme: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of every bullet or paragraph of ``readme`` that carries a marker."""
+    cuts = [0] + [m.start() + 1 for m in re.finditer(r"\n(?=- )|\n\n", readme)] + [len(readme)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if MARKER.search(readme, a, b)]
 
 
 def findings_section(readme: str) -> str:
@@ -271,18 +506,21 @@ def main(argv: list[str] | None = None) -> int:
     path = Path((argv if argv is not None else sys.argv[1:] or ["README.md"])[0])
     text = path.read_text()
     checks = check_text(text, path.resolve().parent)
-    bad = [c for c in checks if c.problem]
+    markers = [c for c in checks if c.expr != "(prose)"]
+    prose = [c for c in checks if c.expr == "(prose)"]
     for c in checks:
+        what = f"prose: {c.text}" if c in prose else f"{c.report}: {c.expr} = {c.text}"
         status = "FAIL" if c.problem else "ok"
-        print(
-            f"{status:4} {path}:{c.line} {c.report}: {c.expr} = {c.text}"
-            + (f"  -- {c.problem}" if c.problem else "")
-        )
+        print(f"{status:4} {path}:{c.line} {what}" + (f"  -- {c.problem}" if c.problem else ""))
     words = equivalence_words(findings_section(text))
     if words:
         print(f"FAIL the findings say {', '.join(map(repr, words))}: only an equivalence test may")
-    print(f"{len(checks) - len(bad)} of {len(checks)} markers agree with their reports")
-    return 1 if bad or words else 0
+    bad = [c for c in markers if c.problem]
+    print(
+        f"{len(markers) - len(bad)} of {len(markers)} markers agree with their reports; "
+        f"{len(prose)} problems in the prose around them"
+    )
+    return 1 if bad or prose or words else 0
 
 
 if __name__ == "__main__":
