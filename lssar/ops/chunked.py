@@ -39,6 +39,7 @@ from lssar.ops.common import (
     count_visible,
     expand_kv,
     log_phi,
+    separate_rows,
     uniform_tolerance,
     unit,
     visible_counts,
@@ -371,6 +372,8 @@ def softplus_decode_op(
     B, hq, t_q, _ = q.shape
     mod = kernel()
     if mod is not None:
+        # BLAS reads a float32 cache in place, its row stride as the leading dimension
+        k = separate_rows(k) if k.dtype == torch.float32 else k
         m4 = None if mask is None else as_4d(mask).expand(B, hq, t_q, k.shape[2])
         rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(q.dtype))
         out, underflow = mod.decode(

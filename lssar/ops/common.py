@@ -78,6 +78,10 @@ def check_inputs(
             f"key and value must share heads and length, got key {tuple(key.shape)}, "
             f"value {tuple(value.shape)}"
         )
+    if hk == 0 and hq > 0:  # checked before any ``hq % hk`` (a SIGFPE in the C++ kernel)
+        raise ValueError(
+            f"key/value have 0 heads but query has {hq}; every query head needs a key/value head"
+        )
     if hq != hk:
         if not enable_gqa:
             raise ValueError(
@@ -90,11 +94,7 @@ def check_inputs(
             )
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
-            got = attn_mask.dtype if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
-            raise ValueError(
-                f"attn_mask must be a boolean tensor (True = may attend), got {got}; "
-                "convert an additive float mask with `mask == 0`"
-            )
+            raise ValueError(mask_dtype_error(attn_mask))
         if attn_mask.dim() > 4:
             raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
         target = (bq, hq, query.shape[2], tk)
@@ -112,6 +112,55 @@ def check_inputs(
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and finite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+
+
+# an additive mask's masked entries: -inf or a large negative number standing in for it
+# (transformers uses finfo(dtype).min); a graded negative bias (ALiBi's) is no mask
+ADDITIVE_MASKED = -1e4
+
+
+def mask_dtype_error(mask: object) -> str:
+    """The message for a mask that is not a boolean tensor, with the conversion that keeps its
+    meaning: an additive mask (0 = attend, -inf or <= -1e4 = masked) converts with
+    ``mask == 0``, a 0/1 mask (1 = attend, as transformers' ``attention_mask``) with
+    ``mask.bool()``. The dtype cannot tell them apart, so the values decide (an error path:
+    reading them costs nothing that matters)."""
+    head = "attn_mask must be a boolean tensor (True = may attend)"
+    expr, values = "mask", mask
+    if not isinstance(mask, Tensor):
+        head, expr = f"{head}, got {type(mask).__name__}", "torch.as_tensor(mask)"
+        try:
+            values = torch.as_tensor(mask)
+        except (TypeError, ValueError, RuntimeError):
+            return f"{head}; pass a torch.Tensor"
+    else:
+        head = f"{head}, got {mask.dtype}"
+    both = (
+        f"an additive mask (0 = attend, -inf = masked) converts with `{expr} == 0`, a 0/1 mask "
+        f"(1 = attend) with `{expr}.bool()`"
+    )
+    if values.device.type == "meta" or values.numel() == 0 or values.is_complex():
+        return f"{head}; {both}"
+    values = values.detach()
+    zero_one = bool(((values == 0) | (values == 1)).all())
+    additive = values.is_floating_point() and bool(
+        ((values == 0) | (values <= ADDITIVE_MASKED)).all()
+    )
+    if zero_one and additive:  # all zeros: both readings fit, and they disagree
+        return f"{head} of zeros only, which reads both ways: {both}"
+    if zero_one:
+        return (
+            f"{head} of 0/1 values; convert it with `{expr}.bool()` (1 = may attend; if 1 "
+            f"marks the masked positions, use `{expr} == 0`)"
+        )
+    if additive:
+        return (
+            f"{head}, an additive mask (0 = attend, -inf = masked); convert it with `{expr} == 0`"
+        )
+    return (
+        f"{head} with values other than 0/1 or 0/-inf: a graded bias is not a mask (ALiBi: "
+        f"pass alibi_slopes); {both}"
+    )
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -284,6 +333,19 @@ def zero_unseen(
     zero = torch.zeros((), dtype=query.dtype, device=query.device)
     key, value = torch.where(seen_k, key, zero), torch.where(seen_k, value, zero)
     return torch.where(seen_q, query, zero), key, value
+
+
+def separate_rows(x: Tensor) -> Tensor:
+    """``x (.., T, D)`` itself when its rows lie apart in memory (unit last stride, a row stride
+    of at least ``D`` that fits an int), else a contiguous copy.
+
+    Kernels that take the row stride as a leading dimension assume it: BLAS (the ``cpu``
+    decode entry) and torch's CPU flash attention (``sdpa``). Legal views break it, an
+    ``unfold`` window (row stride 1) or a cache expanded along time (stride 0), and the
+    kernels then read the wrong rows with no error (issue #44)."""
+    if x.stride(-1) == 1 and x.shape[-1] <= x.stride(-2) < 2**31:
+        return x
+    return x.contiguous()
 
 
 def expand_kv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:

@@ -192,8 +192,8 @@ def flex_attention_impl(
             "wrap the call in torch.no_grad(), or use impl='chunked' / 'reference' for training"
         )
     dtype = query.dtype
-    if on_cpu:
-        query, key, value = (t.to(torch.float32) for t in (query, key, value))
+    if on_cpu:  # detached: torch refuses CPU inputs that require grad even under no_grad
+        query, key, value = (t.detach().to(torch.float32) for t in (query, key, value))
     B, H, t_q, d = query.shape
     hk, t_k = key.shape[1], key.shape[2]
     groups = H // hk

@@ -550,7 +550,9 @@ def _attention(
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], key.shape[-2])  # a view: no memory
     if is_causal and query.shape[-2] == 1 and spans is None:
         is_causal = False  # one bottom-right row (a decode step) sees every key: no mask to build
-    if key.shape[-2] == 0 or query.shape[-2] == 0:  # N_i = 0 everywhere: zeros, zero gradients
+    if 0 in query.shape[:3] or key.shape[-2] == 0:
+        # no output element (B, H_q or T_q = 0) or N_i = 0 everywhere (T_k = 0): zeros and zero
+        # gradients, before any kernel divides by a size (H_q % H_kv: a SIGFPE in C++)
         empty = query[..., :0].sum() + key.sum() + value.sum()  # 0, keeps the graph
         return empty + query.new_zeros(query.shape[:-1] + value.shape[-1:])
     hides = BACKENDS[impl].hides

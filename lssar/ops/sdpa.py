@@ -28,6 +28,7 @@ from lssar.ops.common import (
     combined_mask,
     compute_dtype,
     length_scale,
+    separate_rows,
     unit,
     visible_counts,
 )
@@ -60,6 +61,9 @@ def sdpa_attention(
     query blocks (see the module docstring)."""
     t_q, t_k, d = query.shape[-2], key.shape[-2], query.shape[-1]
     dtype = query.dtype
+    # torch's CPU flash kernel reads overlapping rows wrong (an unfold view of the queries gave
+    # errors of 1e38 in torch 2.13): such views go in as copies
+    query, key, value = separate_rows(query), separate_rows(key), separate_rows(value)
     if variant.qk_norm:  # normalised (and scaled below) in float32, then back to the input dtype
         query, key = unit(query), unit(key).to(dtype)
     # causal with T_q = T_k stays SDPA's is_causal (fused, O(T) memory), also with a row scale

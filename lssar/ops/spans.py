@@ -17,9 +17,11 @@ Meaning (FlashAttention's varlen and ``window_size``, with ``None`` where it wri
 - positions are bottom-right aligned within each document, as the causal rule: the ``t``-th of a
   document's ``n_q`` queries over its ``n_k`` keys sits at key position ``n_k - n_q + t``;
 - ``window=(left, right)``: that query sees the keys from ``left`` before its position to
-  ``right`` after it (``None``: unbounded; a window wider than the sequence is the full one);
+  ``right`` after it (``None``: unbounded; a side longer than the sequence, ``sys.maxsize`` or
+  ``2**64`` included, reaches every key: the full sequence);
 - ``sink_tokens=S``: the first ``S`` keys of each document stay visible to every query that is
-  allowed to see them by the causal rule (StreamingLLM's attention sinks).
+  allowed to see them by the causal rule (StreamingLLM's attention sinks); ``S`` larger than a
+  document is the whole document.
 """
 
 from __future__ import annotations
@@ -123,6 +125,18 @@ def _check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
             f"{name} must be a 1-D int32/int64 tensor of document boundaries "
             f"[0, len_0, len_0 + len_1, ..., T] (FlashAttention's layout), got {got}"
         )
+    if cu.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device, which holds no values: the document boundaries are "
+            "read on the host; pass them as a CPU tensor (or on the queries' device)"
+        )
+    if cu.device not in (device, torch.device("cpu")):
+        # a GPU tensor beside CPU queries (or another GPU's) was moved silently: refused, as
+        # any other argument on the wrong device
+        raise ValueError(
+            f"{name} is on {cu.device} but the queries are on {device}; pass it on the "
+            "queries' device or the CPU"
+        )
     if cu.numel() < 2:
         raise ValueError(f"{name} needs at least 2 entries ([0, T] for one document), got {cu}")
     host = cu.detach().to("cpu", torch.int64)
@@ -138,7 +152,10 @@ def _check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
     return host.to(device)
 
 
-def _check_window(window: Any) -> tuple[int | None, int | None]:
+def _check_window(window: Any, reach: int) -> tuple[int | None, int | None]:
+    """``window``'s sides checked, each capped at ``reach`` (a distance no query and key of
+    the call are apart): a wider side means "all of it", and a Python int of any size then
+    fits int64 (``sys.maxsize`` used to wrap around, ``2**64`` to overflow)."""
     ok = isinstance(window, (tuple, list)) and len(window) == 2
     ok = ok and all(w is None or (isinstance(w, int) and not isinstance(w, bool)) for w in window)
     if not ok:
@@ -151,7 +168,7 @@ def _check_window(window: Any) -> tuple[int | None, int | None]:
             f"window sides must be >= 0 or None (unbounded; FlashAttention writes -1), got "
             f"{tuple(window)}"
         )
-    return window[0], window[1]
+    return tuple(None if w is None else min(w, reach) for w in window)
 
 
 def key_spans(
@@ -210,7 +227,8 @@ def key_spans(
         pos = ke - (qe - qs) + (i - qs)
     lo, hi = ks, torch.minimum(ke, pos + 1) if is_causal else ke
     if window is not None:
-        left, right = _check_window(window)
+        # positions lie in [-t_q, t_k): no two of them are t_q + t_k apart
+        left, right = _check_window(window, t_q + t_k)
         if left is not None:
             lo = torch.maximum(ks, pos - left)
         if right is not None:
@@ -224,7 +242,8 @@ def key_spans(
                 "without one every earlier key is visible already"
             )
         sink_lo = ks
-        sink_hi = torch.maximum(torch.minimum(torch.minimum(ks + sink_tokens, lo), hi), ks)
+        sinks = min(sink_tokens, t_k)  # more sinks than keys: every key (and no int64 overflow)
+        sink_hi = torch.maximum(torch.minimum(torch.minimum(ks + sinks, lo), hi), ks)
     return KeySpans(lo, hi, sink_lo, sink_hi, pos, t_k)
 
 

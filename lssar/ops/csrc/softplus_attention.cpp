@@ -609,9 +609,15 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
               "decode: k and v must share one of float32, bfloat16, float16");
   const int64_t B = q.size(0), HQ = q.size(1), TQ = q.size(2), D = q.size(3);
   const int64_t HK = k.size(1), TK = k.size(2), DV = v.size(3);
-  TORCH_CHECK(HQ % HK == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == HK &&
+  TORCH_CHECK(HK > 0 && HQ % HK == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == HK &&
                   v.size(2) == TK && k.size(3) == D,
               "decode: shapes of q, k, v do not agree");
+  // BLAS reads a float32 cache in place with its row stride as the leading dimension, which
+  // must be >= D (and fit an int): a time-expanded (stride 0) or unfolded view is refused here
+  // (the host copies such a cache first: common.separate_rows)
+  const int64_t ldk_max = std::numeric_limits<int>::max();
+  TORCH_CHECK(kv_type != at::kFloat || (k.stride(2) >= D && k.stride(2) <= ldk_max),
+              "decode: a float32 key cache needs a row stride in [D, 2^31), got ", k.stride(2));
   const int64_t G = HQ / HK, R = G * TQ, U = B * HK;  // rows per kv head, units (b, kv head)
   const int64_t CH = std::max<int64_t>(1, chunk), NC = (TK + CH - 1) / CH;
   // the row rules (ends, counts, scales, re-weighting) as the forward's, per query head
