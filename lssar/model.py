@@ -32,7 +32,7 @@ from lssar.ops.common import as_4d
 from lssar.ops.reference import attention_weights
 from lssar.ops.registry import attention, get_variant
 from lssar.ops.spans import key_spans
-from lssar.positions import ROPE_SCALINGS, RopeScaling, alibi_slopes, check_pos
+from lssar.positions import ROPE_SCALINGS, RopeScaling, alibi_slopes, check_pos, check_rope
 from lssar.spec import AttentionSpec, check_attention
 
 SSMAX_S_INIT = 0.43  # Scalable-Softmax's per-head s at init (project choice)
@@ -85,6 +85,8 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError("head dim (n_embd / n_head) must be even for RoPE")
+        if self.pos == "rope":
+            check_rope(self.n_embd // self.n_head, self.rope_base)
         kv = self.n_kv_head or self.n_head
         if self.n_head % kv:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
@@ -396,6 +398,8 @@ class GPT(nn.Module):
                 )
             if not isinstance(train_len, int) or train_len < 1:
                 raise ValueError(f"a RoPE scaling needs the training length, got {train_len!r}")
+            head_dim = self.cfg.n_embd // self.cfg.n_head
+            check_rope(head_dim, self.cfg.rope_base, scaling, train_len)  # before any run
         self.rope_scaling = scaling
         self.rope_train_len = train_len if scaling is not None else None
 

@@ -101,6 +101,40 @@ def trained_inv_freq(base: float, dim: int) -> Tensor:
     return 1.0 / base ** (torch.arange(0, dim, 2).float() / dim)
 
 
+def check_frequencies(inv: Tensor, factor: float, what: str) -> None:
+    """``ValueError`` naming ``what`` unless RoPE's inverse frequencies ``inv`` are >= 0 and
+    give finite angles at every position float32 counts exactly (2^24), and the attention
+    factor is finite and > 0: the options are validated by what they compute (a factor of
+    1e-45 divides the frequencies to inf, so every cos/sin is NaN; 1e300 overflows NTK's
+    base; a base of 1e-40 makes angles of 1e42)."""
+    # the angles position * inv_freq, for every position float32 counts exactly (2^24)
+    angles = inv * float(2**24)
+    if not (bool(torch.isfinite(angles).all()) and bool((inv >= 0).all())):
+        raise ValueError(
+            f"{what} gives RoPE frequencies (or angles) that are not finite numbers (float32); "
+            "choose a value nearer 1 (a base such as 10000, a factor such as the length "
+            "multiple)"
+        )
+    if not (0 < factor < math.inf):
+        raise ValueError(f"{what} gives an attention factor of {factor}: not a finite number > 0")
+
+
+def check_rope(
+    head_dim: int,
+    base: float,
+    scaling: RopeScaling | None = None,
+    train_len: int | None = None,
+) -> None:
+    """The one check of a RoPE's numbers, by what they compute: the trained frequencies of
+    ``base`` at ``head_dim`` and, with ``scaling``, its frequencies and attention factor at the
+    training length and at 2^20 times it (``auto`` and ``dynamic-ntk`` grow with the length;
+    :meth:`RopeScaling.frequencies` checks every other length as it computes it)."""
+    check_frequencies(trained_inv_freq(base, head_dim), 1.0, f"rope_base={base!r}")
+    if scaling is not None:
+        for length in (train_len, train_len * 2**20):
+            scaling.frequencies(head_dim, base, train_len, length)
+
+
 def _parse_factor(factor: Any) -> float | None:
     if factor is None or (isinstance(factor, str) and factor.strip().lower() == "auto"):
         return None
@@ -164,7 +198,19 @@ class RopeScaling:
     ) -> tuple[Tensor, float]:
         """``(inv_freq (head_dim / 2,) float32, attention_factor)`` for an input of ``seq_len``
         tokens (its largest position + 1) of a model trained at ``train_len``; the factor
-        multiplies cos and sin (transformers' ``attention_scaling``)."""
+        multiplies cos and sin (transformers' ``attention_scaling``). ``ValueError`` naming
+        ``--rope-factor`` where they are not finite (:func:`check_frequencies`)."""
+        try:
+            inv, factor = self._frequencies(head_dim, base, train_len, seq_len)
+        except (OverflowError, ZeroDivisionError):  # a Python float's pow or log out of range
+            inv, factor = torch.full((max(head_dim // 2, 1),), math.inf), math.inf
+        given = "auto" if self.factor is None else f"{self.factor:g}"
+        check_frequencies(inv, factor, f"--rope-scaling {self.kind} --rope-factor {given}")
+        return inv, factor
+
+    def _frequencies(
+        self, head_dim: int, base: float, train_len: int, seq_len: int
+    ) -> tuple[Tensor, float]:
         d, s = head_dim, self.scale(seq_len, train_len)
         if self.kind in ("ntk", "dynamic-ntk") and d <= 2:
             raise ValueError(f"--rope-scaling {self.kind} needs a head dim > 2, got {d}")

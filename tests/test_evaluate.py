@@ -255,6 +255,9 @@ def test_bad_input(runs, tmp_path, capsys):
         (["--rope-scaling=pi"], "unknown --rope-scaling 'pi'; choose one of: linear, ntk, "),
         (["--rope-scaling=yarn", "--rope-factor=0"], "--rope-factor must be a number > 0"),
         (["--rope-factor=2"], "--rope-factor needs --rope-scaling"),
+        # issue #44: accepted, then NaN losses / an OverflowError traceback
+        (["--rope-scaling=linear", "--rope-factor=1e-45"], "--rope-factor 1e-45 gives RoPE"),
+        (["--rope-scaling=ntk", "--rope-factor=1e300"], "--rope-factor 1e+300 gives RoPE"),
     ):
         assert cli_main(["eval", run, "--lengths=1", "--tokens=32", *flags]) == 2
         err = capsys.readouterr().err
