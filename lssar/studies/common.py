@@ -14,16 +14,18 @@ import functools
 import hashlib
 import json
 import multiprocessing as mp
+import signal
+import traceback
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lssar.positions import RopeScaling, check_pos, with_pos
-from lssar.runio import atomic_write
+from lssar.runio import RunFailure, atomic_write
 from lssar.spec import AttentionSpec
 
 
@@ -128,9 +130,37 @@ def units_by_run(
     return [(seed, tuple(group)) for (seed, _), group in out.items()]
 
 
-def _one_thread(fn: Callable[..., Any], *args: Any) -> Any:
+class WorkerTraceback(Exception):
+    """The traceback of an exception raised in a worker (its ``__cause__`` in this process)."""
+
+
+def _worker(conn: Connection, fn: Callable[..., Any], unit: tuple[Any, ...]) -> None:
+    """One unit in a spawned process of one torch thread: ``(True, result, "")`` or ``(False,
+    exception, its traceback)`` back through ``conn`` (an exception that does not pickle goes
+    as a ``RuntimeError`` with its text)."""
     torch.set_num_threads(1)
-    return fn(*args)
+    try:
+        reply: tuple[bool, Any, str] = (True, fn(*unit), "")
+    except Exception as e:
+        reply = (False, e, traceback.format_exc())
+    try:
+        conn.send(reply)
+    except Exception:  # an unpicklable result or exception
+        conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"), reply[2]))
+    conn.close()
+
+
+def _died(name: str, exitcode: int | None) -> RunFailure:
+    how = (
+        f"was killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+        if exitcode is not None and exitcode < 0 and -exitcode in signal.valid_signals()
+        else f"exited with code {exitcode}"
+    )
+    return RunFailure(
+        f"the worker running {name} {how} (killed by hand or for memory?); rerun the same "
+        "command to resume: finished runs are reused and unfinished ones continue from their "
+        "last checkpoint"
+    )
 
 
 def run_units(
@@ -138,15 +168,24 @@ def run_units(
     units: Sequence[tuple[Any, ...]],
     jobs: int = 1,
     on_done: Callable[[int, Any], None] | None = None,
+    check: Callable[..., None] | None = None,
+    names: Sequence[str] | None = None,
 ) -> list[Any]:
     """``[fn(*unit) for unit in units]``, in that order, with ``jobs`` worker processes.
 
-    ``jobs > 1`` runs the units in spawned processes of one torch thread each (tiny models use
-    one core far better than two threads on a shared machine; fork after torch has threads can
-    deadlock), so ``fn`` and its arguments must be picklable; results do not depend on
-    ``jobs``. ``on_done(i, result)`` is called as each unit finishes (progress)."""
+    ``check(*unit)`` runs for every unit before any starts (a resumed run's config against the
+    new one): a refusal then leaves every run as it was. ``jobs > 1`` runs each unit in a
+    spawned process of one torch thread (tiny models use one core far better than two threads
+    on a shared machine; fork after torch has threads can deadlock), so ``fn`` and its arguments
+    must be picklable; results do not depend on ``jobs``. The first unit that fails stops the
+    others (their runs resume on a rerun) and its exception is raised; a worker that dies
+    (killed, out of memory) is a :class:`RunFailure` naming its unit (``names[i]``, default the
+    unit's index). ``on_done(i, result)`` is called as each unit finishes (progress)."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if check is not None:
+        for unit in units:
+            check(*unit)
     results: list[Any] = [None] * len(units)
     if jobs == 1 or len(units) <= 1:
         for i, unit in enumerate(units):
@@ -154,12 +193,37 @@ def run_units(
             if on_done is not None:
                 on_done(i, results[i])
         return results
-    with ProcessPoolExecutor(min(jobs, len(units)), mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(_one_thread, fn, *unit) for unit in units]
-        for i, f in enumerate(futs):
-            results[i] = f.result()
-            if on_done is not None:
-                on_done(i, results[i])
+    ctx = mp.get_context("spawn")
+    todo = list(range(len(units)))
+    running: dict[int, tuple[Any, Connection]] = {}  # unit -> (process, its end of the pipe)
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                i = todo.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, args=(send, fn, units[i]), name=f"unit-{i}")
+                proc.start()
+                send.close()  # the child holds the only writer: its death reads as EOF
+                running[i] = (proc, recv)
+            ready = wait([c for _, c in running.values()])
+            for i in [i for i, (_, c) in running.items() if c in ready]:
+                proc, conn = running.pop(i)
+                try:
+                    ok, payload, trace = conn.recv()
+                except EOFError:  # the process ended without a reply
+                    proc.join()
+                    raise _died(names[i] if names else f"unit {i}", proc.exitcode) from None
+                proc.join()
+                if not ok:
+                    raise payload from WorkerTraceback(trace)
+                results[i] = payload
+                if on_done is not None:
+                    on_done(i, payload)
+    finally:  # the first failure (or Ctrl-C) stops the rest; their runs resume on a rerun
+        for proc, conn in running.values():
+            proc.terminate()
+            proc.join()
+            conn.close()
     return results
 
 

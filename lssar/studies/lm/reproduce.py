@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lssar.ops.registry import get_variant
+from lssar.runio import child_path
 from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, run_units, units_by_run
 from lssar.studies.lm.evaluate import evaluate_run
@@ -103,6 +104,45 @@ def evaluate_arm(
     return out
 
 
+def _unit_config(
+    preset_name: str, arm_names: tuple[str, ...], seed: int, runs_dir: Path, overrides: list[str]
+):
+    """The training config of one unit's run (:func:`_train_and_evaluate`)."""
+    from lssar.train.config import load_config, parse_overrides
+
+    preset, arm = PRESETS[preset_name], ARMS[arm_names[0]]
+    seq_len = load_config(preset.train_preset, parse_overrides(overrides)).seq_len
+    return load_config(
+        preset.train_preset,
+        {
+            **at_training_length(arm.attention, seq_len).to_train(),
+            "pos": arm.pos,
+            "seed": seed,
+            "out_dir": str(runs_dir),
+            "run_name": _run_name(preset.train_preset, arm, seed),
+            **parse_overrides(overrides),
+        },
+    )
+
+
+def _check_unit(
+    preset_name: str,
+    arm_names: tuple[str, ...],
+    seed: int,
+    runs_dir: Path,
+    overrides: list[str],
+    _progress: bool,
+) -> None:
+    """Refuse a unit whose run exists with another config, before any unit starts: a refusal
+    found by a running pool came after other units had trained with the new config."""
+    from lssar.train.runs import check_same_config, stored_train_config
+
+    cfg = _unit_config(preset_name, arm_names, seed, runs_dir, overrides)
+    run_dir = child_path(cfg.out_dir, cfg.run_name, "run_name")  # as train() finds it
+    if (stored := stored_train_config(run_dir)) is not None:
+        check_same_config(stored, cfg, run_dir)
+
+
 def _train_and_evaluate(
     preset_name: str,
     arm_names: tuple[str, ...],
@@ -115,21 +155,8 @@ def _train_and_evaluate(
     scalings share one): train (or reuse, or resume) the run once, then evaluate each arm (rank
     0); one list of results per arm."""
     from lssar.train import train
-    from lssar.train.config import load_config, parse_overrides
 
-    preset, arm = PRESETS[preset_name], ARMS[arm_names[0]]
-    seq_len = load_config(preset.train_preset, parse_overrides(overrides)).seq_len
-    cfg = load_config(
-        preset.train_preset,
-        {
-            **at_training_length(arm.attention, seq_len).to_train(),
-            "pos": arm.pos,
-            "seed": seed,
-            "out_dir": str(runs_dir),
-            "run_name": _run_name(preset.train_preset, arm, seed),
-            **parse_overrides(overrides),
-        },
-    )
+    cfg = _unit_config(preset_name, arm_names, seed, runs_dir, overrides)
     print(f"== {', '.join(arm_names)} (seed {seed})", flush=True)
     run = train(cfg, resume=True, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
@@ -166,7 +193,8 @@ def reproduce(
         (preset_name, arms, seed, runs_dir, list(overrides or []), progress and jobs == 1)
         for seed, arms in groups
     ]
-    done = run_units(_train_and_evaluate, units, jobs)
+    names = [f"the run of {', '.join(arms)} (seed {seed})" for seed, arms in groups]
+    done = run_units(_train_and_evaluate, units, jobs, check=_check_unit, names=names)
     by_arm = {
         (seed, a): rs for (seed, arms), per_arm in zip(groups, done) for a, rs in zip(arms, per_arm)
     }

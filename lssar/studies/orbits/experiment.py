@@ -427,7 +427,10 @@ def run_experiment(
 
     jobs = min(jobs, len(todo))
     work = [(preset, p, root, backend, str(device), a, s) for a, s in todo]
-    done = run_units(_run_job if jobs > 1 else here, work, jobs, lambda i, r: bar.update())
+    names = [f"arm {a} (seed {s})" for a, s in todo]
+    done = run_units(
+        _run_job if jobs > 1 else here, work, jobs, lambda i, r: bar.update(), names=names
+    )
     bar.close()
     results = [res for res, _ in done]
     if jobs > 1:
@@ -486,8 +489,9 @@ def cli(argv: list[str]) -> int:
         seeds = None if args.seeds is None else [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     arms = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
     try:
         out = run_experiment(

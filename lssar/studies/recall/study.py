@@ -414,7 +414,8 @@ def run_study(
             bar.update(1)
 
     work = [(cfg, seed, arms, runs, progress and not parallel) for seed, arms in todo]
-    results = run_units(run_unit, work, cfg.jobs if parallel else 1, finished)
+    names = [f"the run of {', '.join(arms)} (seed {seed})" for seed, arms in todo]
+    results = run_units(run_unit, work, cfg.jobs if parallel else 1, finished, names=names)
     if bar is not None:
         bar.close()
     train_info = [x for info, _ in results for x in info]
