@@ -340,3 +340,38 @@ def test_full_grid_every_config(tmp_path):
     rows, report = _check(tmp_path, "--grid", "full")
     assert all(r["ok"] for r in rows), report[-6000:]
     _assert_clean(rows, report)
+
+
+def test_an_unreadable_cache_entry_is_rebuilt_and_said_once(tmp_path):
+    """Issue #44: a truncated, edited or foreign entry crashed the check (JSONDecodeError,
+    KeyError, TypeError, naming no file) until the cache was deleted by hand. Here each kind is
+    a miss: rebuilt (a stand-in compiler records what it is asked for), overwritten, one line."""
+    res = _run_json(
+        tmp_path,
+        "import contextlib, io, pathlib\n"
+        "blds = cc.builds(cc.grid('reduced')[:1], (80,), riskiest=1)\n"
+        "cache, asked = pathlib.Path('cache'), []\n"
+        "def fake(b):\n"
+        "    asked.append(b.key)\n"
+        "    return {'ok': True, 'seconds': 0.0, 'shared': 1024, 'regs': 64, 'spill_store': 0,\n"
+        "            'spill_load': 0, **cc.opcode_counts([]), 'loop': cc.loop_counts([])}\n"
+        "cc.run(blds, 1, cache, fake)\n"
+        "first, asked[:] = list(asked), []\n"
+        "keys = sorted({b.key for b in blds})\n"
+        'bad = [\'{"ok": tr\', \'{"ok": true}\', \'[1, 2]\', \'{"ok": true, "shared": "1"}\']\n'
+        "for key, text in zip(keys, bad):\n"
+        "    (cache / f'{key}.json').write_text(text)\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        "    rows = cc.run(blds, 1, cache, fake)\n"
+        "again = cc.run(blds, 1, cache, fake)\n"
+        "print(json.dumps({'first': first, 'keys': keys, 'asked': asked, 'err': err.getvalue(),\n"
+        "                  'problems': cc.problems(rows), 'table': cc.table(rows),\n"
+        "                  'same': rows == again}))\n",
+    )
+    keys = res["keys"]
+    assert len(keys) == 4 and sorted(res["first"]) == keys
+    assert sorted(res["asked"]) == keys  # each unreadable entry rebuilt, once
+    assert res["err"].count("\n") == 1 and "4 unreadable cache entries" in res["err"]
+    assert "rebuilt and overwritten" in res["err"] and any(k in res["err"] for k in keys)
+    assert res["problems"] == [] and res["same"]

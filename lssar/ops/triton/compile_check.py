@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -425,26 +426,84 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "lssar" / "compile_check"
 
 
-def run(blds: list[Build], jobs: int = 2, cache: Path | None = None) -> list[dict]:
-    """Measure every build (cached ones from ``cache``, the rest compiled in ``jobs`` processes)."""
-    cache = cache_dir() if cache is None else cache
-    cache.mkdir(parents=True, exist_ok=True)
+# the measurements an entry holds (compile_one's dict); anything else is an unreadable entry
+_COUNTS = ("shared", "spill_store", "spill_load", *opcode_counts([]))
+_LOOP_COUNTS = tuple(loop_counts([]))
+
+
+def _valid(entry: object) -> bool:
+    """Whether ``entry`` is a measurement :func:`compile_one` could have written."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("ok"), bool):
+        return False
+    if not entry["ok"]:
+        return isinstance(entry.get("error"), str)
+    loop = entry.get("loop")
+    return (
+        all(type(entry.get(k)) is int for k in _COUNTS)
+        and "regs" in entry
+        and (entry["regs"] is None or type(entry["regs"]) is int)
+        and isinstance(loop, dict)
+        and all(type(loop.get(k)) is int for k in _LOOP_COUNTS)
+    )
+
+
+def read_cache(blds: list[Build], cache: Path) -> tuple[dict[str, dict], list[Build]]:
+    """``(key -> measurements cached in cache, builds to compile)``. An entry that does not
+    read back (truncated, edited, another format: a JSON error, a missing or mistyped field)
+    is a miss, rebuilt and overwritten, and said once on stderr; it never stops the check."""
     results: dict[str, dict] = {}
-    todo = []
+    todo: list[Build] = []
+    bad: list[Path] = []
     for b in blds:
+        if b.key in results or b.key in {t.key for t in todo}:
+            continue
         f = cache / f"{b.key}.json"
         if f.exists():
-            results[b.key] = json.loads(f.read_text())
-        elif b.key not in {t.key for t in todo}:
-            todo.append(b)
+            try:
+                entry = json.loads(f.read_text())
+            except (OSError, UnicodeDecodeError, ValueError):
+                entry = None
+            if _valid(entry):
+                results[b.key] = entry
+                continue
+            bad.append(f)
+        todo.append(b)
+    if bad:
+        print(
+            f"compile_check: {len(bad)} unreadable cache entr{'y' if len(bad) == 1 else 'ies'} "
+            f"(e.g. {bad[0]}) treated as missing: rebuilt and overwritten",
+            file=sys.stderr,
+            flush=True,
+        )
+    return results, todo
+
+
+def run(
+    blds: list[Build],
+    jobs: int = 2,
+    cache: Path | None = None,
+    compile_build: Callable[[Build], dict] | None = None,
+) -> list[dict]:
+    """Measure every build (cached ones from ``cache``, the rest compiled in ``jobs`` processes,
+    or in this one for ``jobs=1``; ``compile_build``: the compiler, default
+    :func:`compile_one`)."""
+    cache = cache_dir() if cache is None else cache
+    cache.mkdir(parents=True, exist_ok=True)
+    compile_build = compile_build or _compile_build
+    results, todo = read_cache(blds, cache)
     if todo:
         # spawn, not fork: the parent has run torch ops (OpenMP threads must not be forked)
         import multiprocessing as mp
 
-        with ProcessPoolExecutor(
-            max_workers=max(1, jobs), mp_context=mp.get_context("spawn")
-        ) as ex:
-            for b, res in zip(todo, ex.map(_compile_build, todo)):
+        with contextlib.ExitStack() as stack:
+            if jobs > 1:
+                ex = stack.enter_context(
+                    ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+                )
+                measured = ex.map(compile_build, todo)
+            else:
+                measured = map(compile_build, todo)
+            for b, res in zip(todo, measured):
                 results[b.key] = res
                 # temp file then rename: a killed check leaves no half entry (ops sits below
                 # lssar.runio's atomic_write in the layers, so not that)
