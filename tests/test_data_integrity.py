@@ -104,7 +104,7 @@ def test_a_bit_flipped_shard_is_refused_on_first_use(dataset: Path, forget_verif
     assert len(load_split(dataset, "val")) > 0  # a split is checked when it is used
 
 
-def test_verification_is_remembered_until_the_file_changes(
+def test_each_process_hashes_each_file_once(
     dataset: Path, monkeypatch, forget_verifications
 ) -> None:
     hashed: list[str] = []
@@ -114,16 +114,57 @@ def test_verification_is_remembered_until_the_file_changes(
     assert hashed == ["train_000.bin"]
     for _ in range(3):  # every later use in this process
         load_split(dataset, "train")
-    monkeypatch.setattr(manifest, "_VERIFIED_HERE", {})  # another process: reads the record
-    load_split(dataset, "train")
     assert hashed == ["train_000.bin"]
+    monkeypatch.setattr(manifest, "_VERIFIED_HERE", {})  # another process: hashes again
+    load_split(dataset, "train")
+    assert hashed == ["train_000.bin"] * 2
+    load_split(dataset, "train", verify=False)  # a rank after rank 0 checked the files
+    assert hashed == ["train_000.bin"] * 2
+
+
+@pytest.mark.parametrize("how", ["in place, mtime restored", "cp -p", "no write (bit rot)"])
+def test_a_shard_changed_behind_its_mtime_is_refused(
+    dataset: Path, tmp_path: Path, how: str, monkeypatch
+) -> None:
+    """Issue #44: a record keyed on size and mtime (checked once, trusted after) let these
+    through; every process now hashes what it reads."""
     shard = dataset / "train_000.bin"
+    load_split(dataset, "train")  # verified (in this process; once a record on disk)
     st = shard.stat()
-    flip_a_bit(shard)
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later modification
-    with pytest.raises(ValueError, match="fails its sha256 check"):
+    if how == "cp -p":
+        rotten = tmp_path / "copy.bin"
+        rotten.write_bytes(shard.read_bytes())
+        flip_a_bit(rotten)
+        os.utime(rotten, ns=(st.st_atime_ns, st.st_mtime_ns))
+        subprocess.run(["cp", "-p", str(rotten), str(shard)], check=True)
+    else:
+        flip_a_bit(shard)
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    if how == "no write (bit rot)":  # the disk changed under the file system: nothing it sees
+        monkeypatch.setattr(manifest, "_VERIFIED_HERE", {})  # the next process
+    assert shard.stat().st_mtime_ns == st.st_mtime_ns and shard.stat().st_size == st.st_size
+    with pytest.raises(ValueError, match=r"train_000\.bin fails its sha256 check"):
         load_split(dataset, "train")
-    assert hashed == ["train_000.bin", "train_000.bin"]
+
+
+def test_a_swapped_tokenizer_under_its_manifest_is_refused(
+    corpus_dir, tmp_path: Path, forget_verifications
+) -> None:
+    """Issue #44: prepare() reused the dataset, and a manifest without the tokenizer's digest
+    vouched for any tokenizer.json."""
+    root, _ = corpus_dir
+    out = prepare(str(root), "bpe-300", out_dir=tmp_path / "a", progress=False)
+    other = prepare(str(root), "bpe-280", out_dir=tmp_path / "b", progress=False)
+    st = (out / "tokenizer.json").stat()
+    (out / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    os.utime(out / "tokenizer.json", ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ValueError, match=r"tokenizer\.json fails its sha256 check"):
+        prepare(str(root), "bpe-300", out_dir=out, progress=False)  # the reuse path
+    with pytest.raises(ValueError, match=r"tokenizer\.json fails its sha256 check"):
+        get_tokenizer("bpe-300", corpus_dir=out)
+    edit_manifest(out, lambda m: m.pop("tokenizer_sha256"))
+    with pytest.raises(ValueError, match=r"'tokenizer_sha256' must be a sha256"):
+        get_tokenizer("bpe-300", corpus_dir=out)
 
 
 def test_a_changed_tokenizer_file_is_refused(corpus_dir, tmp_path, forget_verifications) -> None:

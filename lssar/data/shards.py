@@ -145,6 +145,8 @@ def _reuse(out: Path, key: dict[str, Any]) -> Path:
         had = had and f"a dataset prepared with {had}"
     if had:
         raise ValueError(f"{out} already holds {had}: use another out_dir (--out) or delete it")
+    if "tokenizer_sha256" in m:  # the dataset is reused with its tokenizer: the same file
+        verify_files(out, m, {TOKENIZER_FILE: m["tokenizer_sha256"]})
     return out
 
 
@@ -239,15 +241,18 @@ def _capped(texts: Iterable[str], chars: int) -> Iterator[str]:
         yield t
 
 
-def load_split(data_dir: str | Path, split: str) -> np.ndarray:
+def load_split(data_dir: str | Path, split: str, verify: bool = True) -> np.ndarray:
     """All tokens of ``split`` ("train" or "val") as one 1-D array (a memmap if one shard).
 
-    The shards' sha256 are checked on first use (:func:`lssar.data.manifest.verify_files`).
+    The shards' sha256 are checked on their first use in this process
+    (:func:`lssar.data.manifest.verify_files`); ``verify=False`` only where another process
+    has just checked the same files (the ranks of one training after rank 0).
     """
     if split not in SPLITS:
         raise ValueError(f"split {split!r} must be one of {SPLITS}")
     m = read_manifest(data_dir)
-    verify_files(data_dir, m, manifest_files(m, (split,)))  # once per file (remembered)
+    if verify:
+        verify_files(data_dir, m, manifest_files(m, (split,)))  # once per file and process
     dtype = np.dtype(m["dtype"]).newbyteorder("<")
     arrays = [
         np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r")

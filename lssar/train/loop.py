@@ -323,7 +323,9 @@ def _train_locked(
                 print(f"{run_dir} is complete: nothing to do")
             return run_dir
     data_dir, manifest = _resolve_data(cfg, master, progress)
-    train_tokens, val_tokens = data.load_split(data_dir, "train"), data.load_split(data_dir, "val")
+    # rank 0 hashed every file in _resolve_data, before the barrier: the others do not again
+    train_tokens = data.load_split(data_dir, "train", verify=master)
+    val_tokens = data.load_split(data_dir, "val", verify=master)
     eot = _doc_eot(cfg, manifest)
     mcfg = model_config(cfg, manifest["vocab_size"])
     torch.manual_seed(cfg.seed)  # every attention arm with the same seed starts from one init
