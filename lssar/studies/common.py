@@ -15,6 +15,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import signal
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -139,6 +140,11 @@ def _worker(conn: Connection, fn: Callable[..., Any], unit: tuple[Any, ...]) -> 
     exception, its traceback)`` back through ``conn`` (an exception that does not pickle goes
     as a ``RuntimeError`` with its text)."""
     torch.set_num_threads(1)
+    # tqdm's default lock is a multiprocessing lock, whose semaphores a killed worker leaves to
+    # the parent's resource tracker ("leaked semaphore objects"); one process needs a thread's
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     try:
         reply: tuple[bool, Any, str] = (True, fn(*unit), "")
     except Exception as e:
