@@ -463,6 +463,39 @@ def test_a_rope_base_is_checked_by_what_it_computes(base):
         _rope_model(rope_base=base)
 
 
+@pytest.mark.parametrize("p", [2.0**-126, 1e-10, 1e3, 1e8, 2.0**28])
+@pytest.mark.parametrize("impl", ["reference", "chunked", "cpu", "triton"])
+def test_every_allowed_p_is_computed_right(impl, p):
+    """r^p in float32: p = 1e-300 rounded to 0 (every weight 1, masked keys too: errors of 1.8
+    on chunked and cpu), p = 3e9 overflowed r rounded up past 1 (NaN on chunked, errors of 3
+    on cpu and triton). The range accepted is what the kernels compute right."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    want = lssar.attention(q.double(), k.double(), v.double(), is_causal=True, p=p)
+    # the accuracy rule: within 2x the float32 reference's own error (a large p amplifies the
+    # rounding of near-tied keys: 7e-5 at p = 1000 here)
+    own = err(lssar.attention(q, k, v, is_causal=True, p=p, impl="reference"), want)
+    tol = 2 * max(own, 1e-5)
+    assert err(lssar.attention(q, k, v, is_causal=True, p=p, impl=impl), want) < tol
+    with torch.no_grad():  # the cpu decode entry
+        got = lssar.attention(q[:, :, -2:], k, v, is_causal=True, p=p, impl=impl)
+    assert err(got, want[:, :, -2:]) < tol
+
+
+@pytest.mark.parametrize("p", [1e-300, 1e-40, 3e9, 1e30, 1e300])
+def test_a_p_the_kernels_cannot_compute_is_refused(p):
+    q = QKV[0]
+    with pytest.raises(ValueError, match=r"p must be a float in \[2\^-126, 2\^28\]"):
+        lssar.attention(q, q, q, p=p)
+
+
+def test_a_scale_past_float32_is_refused():
+    q = QKV[0]
+    with pytest.raises(ValueError, match="scale=1e.300 is not a finite float32"):
+        lssar.attention(q, q, q, variant="softmax", scale=1e300)
+    assert lssar.attention(q, q, q, variant="softmax", scale=1e30).shape == q.shape
+
+
 # ---------------------------------------------------------- 6, 7. the pool of study units
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+F32_MAX = torch.finfo(torch.float32).max
 
 
 def finite(x: float) -> bool:
@@ -112,6 +113,13 @@ def check_inputs(
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and finite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    # by what it computes: the scores are scaled in float32 for every dtype but float64, where
+    # 1e300 is inf (every output NaN)
+    if scale is not None and query.dtype != torch.float64 and abs(scale) > F32_MAX:
+        raise ValueError(
+            f"scale={scale!r} is not a finite float32 (the dtype the scores are scaled in for "
+            f"{query.dtype} inputs): use |scale| <= {F32_MAX:.3g}"
+        )
 
 
 # an additive mask's masked entries: -inf or a large negative number standing in for it

@@ -27,6 +27,11 @@ from lssar.ops.common import finite
 PHIS = ("exp", "softplus", "relu", "sigmoid")
 
 SCALINGS = ("sdpa", "log_n", "ssmax", "const")
+# The re-weighting powers p the kernels compute r^p with (r in [0, 1], float32), checked by what
+# they compute: below float32's smallest normal p flushes to 0 on a GPU (r^0 = 1: every weight,
+# masked ones too), and r rounded up to 1 + 2^-22 overflows beyond about 3.7e8 (measured: wrong
+# weights or NaN on chunked / cpu / triton from p = 3e9, none up to 1e9)
+P_RANGE = (2.0**-126, 2.0**28)
 
 
 @dataclass(frozen=True)
@@ -82,10 +87,14 @@ class Variant:
         resolved = {**self.options, **options}
         p = resolved.get("p")
         if p is not None and not (
-            isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p < math.inf
+            isinstance(p, (int, float))
+            and not isinstance(p, bool)
+            and P_RANGE[0] <= p <= P_RANGE[1]
         ):
             raise ValueError(
-                f"p must be a finite float > 0 (or None for no re-weighting), got {p!r}"
+                f"p must be a float in [2^-126, 2^28] (or None for no re-weighting), got {p!r}: "
+                "the kernels raise r in [0, 1] to it in float32, where a smaller p flushes to 0 "
+                "(every weight 1) and a larger one overflows r rounded up to 1 + 2^-22"
             )
         bias = resolved.get("bias")
         if bias is not None and not (isinstance(bias, (int, float)) and finite(bias)):
