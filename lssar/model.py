@@ -570,7 +570,9 @@ class GPT(nn.Module):
             if temperature <= 0:
                 nxt = last.argmax(-1, keepdim=True)
             else:
-                last = last / temperature
+                # relative to the row's largest logit first: a tiny temperature (1e-45) then
+                # gives -inf, not inf - inf = NaN, and softmax is unchanged
+                last = (last - last.amax(-1, keepdim=True)) / temperature
                 if top_k is not None:
                     kth = torch.topk(last, min(top_k, last.shape[-1])).values[:, -1:]
                     last = last.masked_fill(last < kth, float("-inf"))

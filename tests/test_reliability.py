@@ -592,3 +592,15 @@ def test_a_refused_reproduce_unit_stops_every_unit_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"lr: 0\.5 \(run\) != "):
         rp.reproduce("quick", runs, tmp_path / "reports", False, ["--max_steps=3"], jobs=2)
     assert sorted(p.name for p in runs.iterdir()) == [cfg.run_name]  # nothing else started
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30])
+def test_a_tiny_temperature_samples_the_greedy_token(temperature):
+    """``temperature=1e-45`` scaled the logits to inf (softmax NaN, a multinomial traceback);
+    near 0 it is greedy."""
+    model = _rope_model().eval()
+    idx = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(9))
+    greedy = model.generate(idx, 6, temperature=0)
+    gen = torch.Generator().manual_seed(0)
+    got = model.generate(idx, 6, temperature=temperature, generator=gen)
+    assert got.shape == (2, 11) and torch.equal(got, greedy)
