@@ -129,10 +129,11 @@ def check_rope(
     ``base`` at ``head_dim`` and, with ``scaling``, its frequencies and attention factor at the
     training length and at 2^20 times it (``auto`` and ``dynamic-ntk`` grow with the length;
     :meth:`RopeScaling.frequencies` checks every other length as it computes it)."""
-    check_frequencies(trained_inv_freq(base, head_dim), 1.0, f"rope_base={base!r}")
-    if scaling is not None:
-        for length in (train_len, train_len * 2**20):
-            scaling.frequencies(head_dim, base, train_len, length)
+    with torch.device("cpu"):  # host numbers, also while a model is built on the meta device
+        check_frequencies(trained_inv_freq(base, head_dim), 1.0, f"rope_base={base!r}")
+        if scaling is not None:
+            for length in (train_len, train_len * 2**20):
+                scaling.frequencies(head_dim, base, train_len, length)
 
 
 def _parse_factor(factor: Any) -> float | None:
@@ -201,7 +202,8 @@ class RopeScaling:
         multiplies cos and sin (transformers' ``attention_scaling``). ``ValueError`` naming
         ``--rope-factor`` where they are not finite (:func:`check_frequencies`)."""
         try:
-            inv, factor = self._frequencies(head_dim, base, train_len, seq_len)
+            with torch.device("cpu"):  # a small host vector (the caller moves it), checked here
+                inv, factor = self._frequencies(head_dim, base, train_len, seq_len)
         except (OverflowError, ZeroDivisionError):  # a Python float's pow or log out of range
             inv, factor = torch.full((max(head_dim // 2, 1),), math.inf), math.inf
         given = "auto" if self.factor is None else f"{self.factor:g}"

@@ -722,8 +722,10 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
     two workers train one run; the report reads the results in (seed, arm) order."""
     seen: dict = {}
 
-    def fake_units(fn, units, jobs=1, on_done=None):
-        seen["jobs"], seen["units"] = jobs, units
+    def fake_units(fn, units, jobs=1, on_done=None, check=None, names=None):
+        seen["jobs"], seen["units"], seen["names"] = jobs, units, names
+        for unit in units:  # no run exists yet: every unit passes
+            check(*unit)
         return [[[{"arm": a, "seed": u[2]}] for a in u[1]] for u in units]
 
     def fake_report(name, preset, results, out, seconds):
@@ -738,6 +740,7 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
     groups = [(u[2], u[1]) for u in seen["units"]]
     roped = ("softmax", *(a for a in preset.arms if a.startswith("softmax -> ")))
     assert groups[0] == (0, roped) and len(groups) == 5 * 3  # 5 runs per seed
+    assert seen["names"][0] == f"the run of {', '.join(roped)} (seed 0)"
     names = [reproduce._run_name("tiny-cpu", presets.ARMS[a[0]], s) for s, a in groups]
     assert len(set(names)) == len(names)
     assert [(r["seed"], r["arm"]) for r in seen["results"]] == [
