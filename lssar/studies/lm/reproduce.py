@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lssar.ops.registry import get_variant
 from lssar.runio import child_path
@@ -23,6 +23,9 @@ from lssar.studies.common import Arm, run_units, units_by_run
 from lssar.studies.lm.evaluate import evaluate_run
 from lssar.studies.lm.presets import ARMS, PRESETS, Preset
 from lssar.studies.lm.report import write_report
+
+if TYPE_CHECKING:
+    from lssar.train.config import TrainConfig
 
 
 def at_training_length(spec: AttentionSpec, seq_len: int) -> AttentionSpec:
@@ -106,7 +109,7 @@ def evaluate_arm(
 
 def _unit_config(
     preset_name: str, arm_names: tuple[str, ...], seed: int, runs_dir: Path, overrides: list[str]
-):
+) -> TrainConfig:
     """The training config of one unit's run (:func:`_train_and_evaluate`)."""
     from lssar.train.config import load_config, parse_overrides
 
