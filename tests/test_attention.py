@@ -194,7 +194,7 @@ def test_reweighting_on_other_normalisers_gradcheck(name):
 
 
 def _paper_lssar(q, k, p):
-    """METHOD.md sections 3-4 literally, one row at a time, for a causal single head."""
+    """docs/method.md sections 3-4 literally, one row at a time, for a causal single head."""
     t, d = q.shape
     rows = []
     for i in range(t):

@@ -1,6 +1,6 @@
 """Legal-but-awkward inputs, held to the same contract by every implementation.
 
-Each class below was once a crash or a silent wrong answer (issue #15): broadcast masks at every
+Each class below was once a crash or a silent wrong answer: broadcast masks at every
 block size, key-axis broadcasting in N_i, half precision, masks that only broadcast *with* the
 scores, NaN padding, degenerate sizes, extreme vector norms, underflowing rows, torch.func. The
 grid of (implementation, variant) pairs comes from the registry, so a new backend is tested too.

@@ -49,7 +49,7 @@ from lssar.studies.stats import (
     verdict,
 )
 
-# The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; METHOD.md section 7),
+# The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; docs/method.md section 7),
 # keyed by evaluation length / training length.
 PAPER = {
     arm.label: loss
@@ -290,7 +290,7 @@ def write_report(
         "",
         *_loss_table(losses, multiples, groups),
         "",
-        "## The paper (GPT-2 124M, FineWeb 10B, trained at 1024; METHOD.md section 7)",
+        "## The paper (GPT-2 124M, FineWeb 10B, trained at 1024; docs/method.md section 7)",
         "",
         "| attention | " + " | ".join(f"{m}x" for m in multiples) + " |",
         "|---" * (len(multiples) + 1) + "|",
