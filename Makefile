@@ -35,8 +35,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
+# ARGS: more flags for the command, e.g. make reproduce ARGS=--jobs=2
 reproduce: $(STAMP)
-	$(BIN)/python -m lssar reproduce --preset quick
+	$(BIN)/python -m lssar reproduce --preset quick $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -133,7 +133,7 @@ PRESETS = {
         "tiny-cpu",
         [SOFTMAX.label, WINDOW, LSSA.label, LSSAR15.label],
         eval_tokens=16384,
-        budget="<= 15 min on 2 CPU cores",
+        budget="about 10-15 min on an idle 2-core machine, longer on a busy one",
     ),
     "cpu": Preset(
         "every variant of the paper, the sliding-window control and eval-time re-weighting "
