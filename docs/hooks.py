@@ -20,7 +20,9 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 (mkdocs' ho
         if not target.startswith("../") and not target.startswith("docs/"):
             if repo:
                 return f"[{m[1]}]({repo}/blob/main/{target}{m[3] or ''})"
-            return m[1] if m[1].strip("`") == target.rstrip("/") else f"{m[1]} (`{target}`)"
+            if target.startswith(m[1].strip("`").rstrip("/")):  # the text names the path
+                return m[1]
+            return f"{m[1]} (`{target}`)"
         return m[0]
 
     return LINK.sub(outside, markdown)

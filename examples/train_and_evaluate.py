@@ -14,7 +14,7 @@ import argparse
 
 from lssar.studies.lm.evaluate import evaluate_run
 from lssar.train import load_run, train
-from lssar.train.config import load_config
+from lssar.train.config import load_config, parse_overrides
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,13 +23,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, help="training steps (default: the preset's 450)")
     ap.add_argument("--lengths", default="1,2,4,8,16", help="multiples of the training length")
     ap.add_argument("--tokens", type=int, default=16384, help="validation tokens per length")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
 
     overrides = {"attn": "lssar", "attn_p": 15.0, "out_dir": args.out, "run_name": "example-lssar"}
     if args.steps is not None:  # a shorter run: validate and checkpoint at its end
         overrides |= {"max_steps": args.steps, "eval_every": args.steps, "ckpt_every": args.steps}
         overrides |= {"warmup_steps": min(50, args.steps // 2)}
-    cfg = load_config("tiny-cpu", overrides)
+    cfg = load_config("tiny-cpu", {**overrides, **parse_overrides(args.set)})
     run = train(cfg)  # prepares the embedded Shakespeare corpus on first use
 
     model, cfg, meta = load_run(run)

@@ -314,7 +314,7 @@ def test_ssmax_s_must_be_finite(s):
 @pytest.mark.parametrize(
     "impl,name,opts",
     # the Triton kernels form softplus in registers: the relative row there is a kernel change
-    # left for a GPU session (README, "Bad input"), so they are not held to this case yet
+    # left for a GPU session (docs/api.md, awkward inputs), so they are not held to this case yet
     [c for c in CASES if c.values[1] in ("softplus-l1", "sigmoid-l1") and c.values[0] != "triton"],
 )
 def test_underflowing_rows_are_normalised(impl, name, opts):
