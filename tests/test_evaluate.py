@@ -652,7 +652,10 @@ def test_whole_command_progress_reads_the_runs_logs(tmp_path):
         f.write('{"event": "train", "step": 150}\n{"event": "tr')  # a line being appended
     line = progress.line()
     assert line.startswith("[whole command] 150/350 training steps over 2 runs, 1.0 min elapsed")
-    assert "about 2 min left" in line  # 200 steps at 100 steps a minute
+    assert line.endswith("about 2 min left")  # 200 steps at 100 steps a minute
+    for r in runs:
+        (r / "log.jsonl").write_text('{"event": "train", "step": 175}\n')
+    assert progress.line().endswith("training done, the last evaluations are running")
 
 
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):

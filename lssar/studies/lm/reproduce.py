@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from lssar.ops.registry import get_variant
 from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, run_units, units_by_run
@@ -81,15 +83,15 @@ class CommandProgress:
         head = f"[whole command] {done:,}/{self.total:,} training steps over {len(self.runs)} runs"
         head += f", {elapsed / 60:.1f} min elapsed"
         new = done - self.before
+        if done >= self.total:
+            return head + "; training done, the last evaluations are running"
         if new <= 0:
             return head + "; time left: after the first logged steps"
         left = (self.total - done) * elapsed / new / 60
-        return head + f", about {left:.0f} min left (more while the last evaluations run)"
+        return head + f", about {left:.0f} min left"
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every):
-            from tqdm import tqdm
-
             tqdm.write(self.line(), file=sys.stderr)
 
     def __enter__(self) -> CommandProgress:
