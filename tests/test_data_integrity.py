@@ -1,4 +1,4 @@
-"""Integrity of dataset directories (issue #22): manifests read as untrusted input, checksums
+"""Integrity of dataset directories: manifests read as untrusted input, checksums
 verified on first use (and remembered), one preparer per dataset, a full disk during prepare."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_each_process_hashes_each_file_once(
 def test_a_shard_changed_behind_its_mtime_is_refused(
     dataset: Path, tmp_path: Path, how: str, monkeypatch
 ) -> None:
-    """Issue #44: a record keyed on size and mtime (checked once, trusted after) let these
+    """A record keyed on size and mtime (checked once, trusted after) let these
     through; every process now hashes what it reads."""
     shard = dataset / "train_000.bin"
     load_split(dataset, "train")  # verified (in this process; once a record on disk)
@@ -150,7 +150,7 @@ def test_a_shard_changed_behind_its_mtime_is_refused(
 def test_a_swapped_tokenizer_under_its_manifest_is_refused(
     corpus_dir, tmp_path: Path, forget_verifications
 ) -> None:
-    """Issue #44: prepare() reused the dataset, and a manifest without the tokenizer's digest
+    """prepare() reused the dataset, and a manifest without the tokenizer's digest
     vouched for any tokenizer.json."""
     root, _ = corpus_dir
     out = prepare(str(root), "bpe-300", out_dir=tmp_path / "a", progress=False)

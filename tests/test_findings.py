@@ -1,4 +1,5 @@
-"""The README's findings agree with the committed reports they quote (lssar.studies.findings)."""
+"""The findings (docs/findings.md, and the README's one-line summaries) agree with the committed
+reports they quote (lssar.studies.findings)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import pytest
 
 from lssar.studies import findings
 from lssar.studies.findings import (
+    check_page,
     check_text,
     equivalence_words,
     findings_section,
     main,
     marked_paragraphs,
+    project_root,
 )
 from lssar.studies.lm.figures import label_of
 
@@ -27,13 +30,19 @@ def _one(sentence: str, marker: str) -> list:
     return check_text(f"\n- {sentence}\n  <!-- check {REPORT}: {marker} -->\n", ROOT)
 
 
-def test_every_readme_finding_agrees_with_its_report():
-    text = (ROOT / "README.md").read_text()
-    checks = check_text(text, ROOT)
-    assert len(checks) >= 30  # every bullet of the findings carries its markers
+@pytest.mark.parametrize("page, least", [("docs/findings.md", 100), ("README.md", 10)])
+def test_every_finding_agrees_with_its_report(page, least):
+    checks, words = check_page(ROOT / page)
+    assert len(checks) >= least  # every bullet of the findings carries its markers
     assert [(c.line, c.expr, c.problem) for c in checks if c.problem] == []
-    assert equivalence_words(findings_section(text)) == []
-    assert main([str(ROOT / "README.md")]) == 0
+    assert words == []
+    assert main([str(ROOT / page)]) == 0
+
+
+def test_the_findings_page_is_findings_from_its_title_on():
+    text = "# Findings\n\nIntro.\n\n## Recall\n\nLSSAR ties ALiBi.\n"
+    assert equivalence_words(findings_section(text)) == ["ties"]
+    assert project_root(ROOT / "docs" / "findings.md") == ROOT
 
 
 def test_a_wrong_number_a_wrong_verdict_and_an_unquoted_number_fail():
@@ -145,7 +154,9 @@ def test_finding_paragraphs_of_the_studies_are_findings_too():
 
 # ------------------------------------------------------------ the prose held to the markers (#44)
 
-README = (ROOT / "README.md").read_text()
+FINDINGS = (ROOT / "docs" / "findings.md").read_text()
+# every page with markers: the findings, and the README's one-line summaries of them
+PAGES = [FINDINGS, (ROOT / "README.md").read_text()]
 COMMENT = re.compile(r"<!--.*?-->", re.S)
 # a word of the opposite verdict for each kind of VERDICT_WORDS
 OPPOSITE = {
@@ -170,12 +181,12 @@ def _fails(block: str) -> bool:
     return any(c.problem for c in check_text(block, ROOT))
 
 
-def test_the_issues_edits_of_the_readme_fail(tmp_path):
-    """The five edits of issue #44, each of which the marker-only checker passed ("110 of 110
-    markers agree"), on a copy of the README beside the same reports."""
+def test_the_issues_edits_of_the_findings_fail(tmp_path):
+    """The five edits a hostile reader tried, each of which the marker-only checker passed
+    ("110 of 110 markers agree"), on a copy of the findings page beside the same reports."""
     (tmp_path / "reports").symlink_to(ROOT / "reports")
-    copy = tmp_path / "README.md"
-    copy.write_text(README)
+    copy = tmp_path / "findings.md"
+    copy.write_text(FINDINGS)
     assert main([str(copy)]) == 0
     for old, new in [
         ("LSSAR p=15 beats softmax+RoPE", "LSSAR p=15 is worse than softmax+RoPE"),
@@ -184,16 +195,16 @@ def test_the_issues_edits_of_the_readme_fail(tmp_path):
         ("(16x: 2.22 ± 0.05", "(16x: 12.22 ± 0.05"),
         ("difference −0.60 ± 0.16", "difference −0.60 ± 0.169"),
     ]:
-        assert README.count(old) == 1, old
-        copy.write_text(README.replace(old, new))
+        assert FINDINGS.count(old) == 1, old
+        copy.write_text(FINDINGS.replace(old, new))
         assert main([str(copy)]) == 1, (old, new)
 
 
-def test_every_verdict_word_of_the_readme_turned_around_fails():
+def test_every_verdict_word_of_the_findings_turned_around_fails():
     """Each verdict word of a marked paragraph, replaced by one of the opposite verdict."""
     passed = []
-    for start, end in marked_paragraphs(README):
-        block = README[start:end]
+    for page, (start, end) in ((t, ab) for t in PAGES for ab in marked_paragraphs(t)):
+        block = page[start:end]
         for m in _prose_spans(block, re.compile(findings._WORDS.pattern, re.I)):
             edited = block[: m.start()] + OPPOSITE[m.lastgroup] + block[m.end() :]
             if not _fails(edited):
@@ -210,11 +221,11 @@ def test_every_verdict_word_of_the_readme_turned_around_fails():
     ],
     ids=["a digit before", "a digit after", "the sign"],
 )
-def test_every_number_of_the_readme_edited_fails(edit):
+def test_every_number_of_the_findings_edited_fails(edit):
     number = re.compile(r"(?<![\w.])[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?%?")
     passed = []
-    for start, end in marked_paragraphs(README):
-        block = README[start:end]
+    for page, (start, end) in ((t, ab) for t in PAGES for ab in marked_paragraphs(t)):
+        block = page[start:end]
         for m in _prose_spans(block, number):
             n = m.group()
             if not ("." in n or n.endswith("%")):

@@ -1,4 +1,4 @@
-"""Reliability, third round (issue #44): what a hostile user found after the second.
+"""Reliability, third round: what a hostile user found after the second.
 
 Each test names its defect class: a legal tensor view that reached a kernel assuming other
 strides (a silent wrong answer), a zero-size dimension that killed the process, window and sink

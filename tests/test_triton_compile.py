@@ -343,7 +343,7 @@ def test_full_grid_every_config(tmp_path):
 
 
 def test_an_unreadable_cache_entry_is_rebuilt_and_said_once(tmp_path):
-    """Issue #44: a truncated, edited or foreign entry crashed the check (JSONDecodeError,
+    """A truncated, edited or foreign entry used to crash the check (JSONDecodeError,
     KeyError, TypeError, naming no file) until the cache was deleted by hand. Here each kind is
     a miss: rebuilt (a stand-in compiler records what it is asked for), overwritten, one line."""
     res = _run_json(

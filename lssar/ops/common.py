@@ -249,7 +249,7 @@ def visible_counts(
     return count_visible(mask & causal_mask(t_q, t_k, device, q_start=start), t_k)
 
 
-# Re-weighting (METHOD.md section 4): O_i = 1, i.e. rows are centred on their mean weight, only
+# Re-weighting (docs/method.md section 4): O_i = 1, i.e. rows are centred on their mean weight, only
 # for rows with more than this many visible keys; rows with N_i <= 3 are sharpened un-centred.
 REWEIGHT_MIN_KEYS = 3
 
@@ -262,7 +262,7 @@ def centred_rows(n: Tensor) -> Tensor:
 def centring_mean(z: Tensor, n: Tensor) -> Tensor:
     """``mu_i = Z_i / N_i`` (mean Softplus over visible keys) where ``O_i = 1``, else 0.
 
-    Subtracting ``mu_i`` from ``softplus(s_ij)`` is METHOD.md's ``N_i A_ij - O_i`` divided by
+    Subtracting ``mu_i`` from ``softplus(s_ij)`` is docs/method.md's ``N_i A_ij - O_i`` divided by
     ``N_i / Z_i``: the same re-weighted row (``z``, ``n`` broadcast against each other)."""
     return torch.where(centred_rows(n), z / n.clamp_min(1.0), torch.zeros_like(z))
 
@@ -350,7 +350,7 @@ def separate_rows(x: Tensor) -> Tensor:
     Kernels that take the row stride as a leading dimension assume it: BLAS (the ``cpu``
     decode entry) and torch's CPU flash attention (``sdpa``). Legal views break it, an
     ``unfold`` window (row stride 1) or a cache expanded along time (stride 0), and the
-    kernels then read the wrong rows with no error (issue #44)."""
+    kernels then read the wrong rows with no error."""
     if x.stride(-1) == 1 and x.shape[-1] <= x.stride(-2) < 2**31:
         return x
     return x.contiguous()
@@ -389,7 +389,7 @@ def uniform_tolerance(dtype: torch.dtype) -> float:
 
     ``N_i A_ij - 1`` of a row of equal weights is rounding noise, not signal; raising noise to the
     power ``p`` would pick an arbitrary key. Rows whose largest deviation is within
-    ``64 * eps`` of the mean fall back to the LSSA weights (METHOD.md section 4, 0/0 case).
+    ``64 * eps`` of the mean fall back to the LSSA weights (docs/method.md section 4, 0/0 case).
     """
     return 64.0 * torch.finfo(dtype).eps
 
