@@ -60,14 +60,15 @@ from lssar.train.runs import (
     save_checkpoint,
     stored_train_config,
 )
+from lssar.train.schedule import warmup_cosine
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end
+    (:func:`lssar.train.schedule.warmup_cosine`)."""
+    return warmup_cosine(
+        step, total=cfg.max_steps, peak=cfg.lr, warmup=cfg.warmup_steps, floor=cfg.min_lr
+    )
 
 
 def _environment(device: torch.device, world: int) -> dict[str, Any]:

@@ -87,6 +87,7 @@ _CODE = (
     "studies/orbits/models.py",
     "studies/orbits/symreg.py",
     "studies/orbits/ceiling.py",
+    "train/schedule.py",
     "model.py",
     "spec.py",
     "ops",

@@ -21,7 +21,6 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ from lssar.studies.recall.presets import (
 )
 from lssar.studies.recall.task import IGNORE
 from lssar.train.runs import file_sha256
+from lssar.train.schedule import set_lr, warmup_cosine
 
 # what an evaluation's scores depend on besides the model and the settings
 _EVAL_SOURCES = (
@@ -97,13 +97,6 @@ def build_model(cfg: StudyConfig, arm: Arm) -> RecallModel:
         ),
         token_shift=cfg.token_shift,
     )
-
-
-def _lr(cfg: StudyConfig, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def _save(path: Path, obj: Any) -> None:
@@ -174,8 +167,8 @@ def _train_arm(
     model.train()
     for step in range(start, cfg.steps):
         b = cfg.task.batch((seed, step), L, cfg.batch_size)
-        for g in opt.param_groups:
-            g["lr"] = _lr(cfg, step)
+        lr = warmup_cosine(step, total=cfg.steps, peak=cfg.lr, warmup=cfg.warmup, floor_ratio=0.1)
+        set_lr(opt, lr)
         logits, _ = model(b["tokens"], window=window)
         tgt = b["targets"]
         loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
