@@ -18,8 +18,9 @@ from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import report as reproduce_report
 from lssar.studies.lm.presets import SOFTMAX
 from lssar.train import sample_cli
+from lssar.train.checkpoint import save_checkpoint
 from lssar.train.config import TrainConfig, model_config
-from lssar.train.runs import load_run, save_checkpoint
+from lssar.train.runs import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -241,7 +241,7 @@ def cache_key(cfg: Any, meta: dict[str, Any], settings: dict[str, Any]) -> dict[
     a run retrained with ``--no-resume`` and another seed or lr at the same step is another
     model), the run's config, the dataset's files (their manifest sha256, which
     :func:`lssar.data.load_split` verifies), the evaluation settings and code."""
-    from lssar.train.runs import file_sha256
+    from lssar.train.checkpoint import file_sha256
 
     m = read_manifest(meta["data_dir"])
     return json.loads(  # the JSON form, as it is stored and read back
