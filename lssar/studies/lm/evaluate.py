@@ -31,7 +31,8 @@ from lssar.model import GPT
 from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest
-from lssar.studies.lm.figures import label_of, plot_results
+from lssar.studies.labels import label_of
+from lssar.studies.lm.figures import plot_results
 from lssar.studies.lm.passkey import (
     PASSKEY_DEPTHS,
     PasskeySettings,

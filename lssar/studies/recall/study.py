@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from lssar.model import GPTConfig
 from lssar.runio import atomic_write, environment
 from lssar.studies.common import Arm, EvalRule, code_digest, run_units, units_by_run
+from lssar.studies.labels import eval_label
 from lssar.studies.recall.model import RecallModel
 from lssar.studies.recall.presets import (
     ARMS,
     EVAL_SEED,
     PRESETS,
     StudyConfig,
-    eval_label,
     eval_rules,
     parse_set,
     preset_config,
