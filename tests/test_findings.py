@@ -13,7 +13,7 @@ from lssar.studies.findings import (
     findings_section,
     main,
 )
-from lssar.studies.lm.figures import label_of
+from lssar.studies.labels import label_of
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = "reports/cpu-baselines-2026-12-03"

@@ -17,6 +17,8 @@ from lssar.studies.orbits.models import (
     finetune_force,
     predict_force,
 )
+from lssar.train.checkpoint import VERSION as CKPT_VERSION
+from lssar.train.checkpoint import load_checkpoint
 
 # Tiny sizes: the whole pipeline (data, pretraining, probes, SR, report) in seconds.
 MICRO = {
@@ -69,6 +71,9 @@ def test_micro_end_to_end_report(micro):
             run_dir = out / "runs" / "orbits-quick" / f"{r['arm']}-s0"
             for f in ("pretrained.pt", "finetuned.pt", "predictions.npz", "result.json"):
                 assert (run_dir / f).exists()
+            for f in ("pretrained.pt", "finetuned.pt"):  # models in the one checkpoint format
+                assert load_checkpoint(run_dir / f)["version"] == CKPT_VERSION
+            assert "git_sha" in json.loads((run_dir / "env.json").read_text())
             c = r["ceiling"]
             assert c["max_err"] <= c["max_err_q95"] and c["n_draws"] == 200
             assert c["sr"]["n_points"] == MICRO["sr_points"] and "expression" in c["sr"]["gp"]

@@ -4,7 +4,7 @@ report :mod:`.report`).
 
 An arm's name is its trained rule's label (``"lssar p=15"``, ``"softmax + alibi"``); the
 evaluation results, and so the report's rows, carry the label
-:func:`lssar.studies.lm.figures.label_of` gives them (``"softmax, sliding window 128"``,
+:func:`lssar.studies.labels.label_of` gives them (``"softmax, sliding window 128"``,
 ``"lssa -> lssar p=15 (eval only)"``, ``"softmax -> yarn auto (eval only)"``).
 """
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
-from lssar.spec import AttentionSpec, run_label
+from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, EvalRule, arm_table, select_arms
+from lssar.studies.labels import run_label
 from lssar.studies.lm.passkey import PasskeySettings
 
 SOFTMAX, SIGMOID, RELU = AttentionSpec("softmax"), AttentionSpec("sigmoid"), AttentionSpec("relu")

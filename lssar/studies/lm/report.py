@@ -19,7 +19,8 @@ import numpy as np
 from lssar.runio import environment
 from lssar.studies.common import conditions, provenance_head
 from lssar.studies.common import write_report as write_files
-from lssar.studies.lm.figures import group, normalised, plot_results
+from lssar.studies.labels import group
+from lssar.studies.lm.figures import normalised, plot_results
 from lssar.studies.lm.presets import (
     LSSA,
     LSSAR3,

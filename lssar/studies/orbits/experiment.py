@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lssar.runio import environment, exclusive_lock, remove_stale_temps
+from lssar.runio import environment, exclusive_lock
 from lssar.studies.common import code_digest, run_units
 from lssar.studies.orbits import kepler, symreg
 from lssar.studies.orbits.cache import key_of, load_if, save_json, save_npz, save_torch
@@ -63,6 +63,7 @@ from lssar.studies.orbits.presets import (
     parse_set,
     resolve_preset,
 )
+from lssar.train.checkpoint import CONFIG, ENV, open_run
 
 __all__ = [  # the settings live in .presets; imported from here as before
     "ARMS",
@@ -87,6 +88,7 @@ _CODE = (
     "studies/orbits/models.py",
     "studies/orbits/symreg.py",
     "studies/orbits/ceiling.py",
+    "train/schedule.py",
     "model.py",
     "spec.py",
     "ops",
@@ -183,8 +185,9 @@ class Runner:
 
     def run(self, arm: Arm, seed: int) -> dict[str, Any]:
         d = self.runs / f"{arm.name}-s{seed}"
-        with exclusive_lock(d, "orbits run"):  # two invocations on one --out: one works here
-            remove_stale_temps(d)  # a stage write that was killed
+        # two invocations on one --out: one works here; a stage write that was killed is
+        # removed. No config check: another setting recomputes the stages it changes
+        with open_run(d, what="orbits run"):
             return self._run(arm, seed, d)
 
     def _run(self, arm: Arm, seed: int, d: Path) -> dict[str, Any]:
@@ -312,16 +315,16 @@ class Runner:
         torch.manual_seed(seed)
         model = OrbitGPT(mcfg).to(self.device)
         save_json(
-            d / "config.json",
+            d / CONFIG,
             {
                 "preset": dataclasses.asdict(p),
                 "arm": arm.name,
                 "seed": seed,
                 "model": mcfg.to_json(),
                 "data": data.info,
-                "env": environment(self.device, sr_backends=symreg.installed_backends()),
             },
         )
+        save_json(d / ENV, environment(self.device, sr_backends=symreg.installed_backends()))
         pre = None
         if arm.pretrained:
             pre = load_if(d / "pretrained.pt", k1)

@@ -11,8 +11,9 @@ from typing import Any
 
 from lssar.studies.common import conditions, provenance_head
 from lssar.studies.common import write_report as write_files
+from lssar.studies.labels import eval_label
 from lssar.studies.recall.plots import plot_accuracy, plot_attention_maps
-from lssar.studies.recall.presets import ARMS, EVAL_PS, eval_label
+from lssar.studies.recall.presets import ARMS, EVAL_PS
 from lssar.studies.stats import mean_ci, verdict
 
 # the practitioner's alternatives (issue #24), as row labels: trained arms and eval-only rules
