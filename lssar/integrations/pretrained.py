@@ -113,8 +113,9 @@ def load_tokenizer(source: str | Path) -> Any:
 def load_model(
     source: str | Path, attn: str | None = None, p: float | None = None, **attn_options: Any
 ) -> tuple[Any, dict[str, Any]]:
-    """``(model, source record)``: an HF causal LM in float32, eval mode, optionally switched to
-    lssar attention ``attn`` (:func:`set_attention`)."""
+    """``(model, source record)``: an HF causal LM in float32, eval mode, switched to lssar
+    attention ``attn`` (:func:`set_attention`) if given, else to the rule a converted directory
+    records in its ``lssar.json``."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_source(source)
@@ -135,6 +136,10 @@ def load_model(
             path, local_files_only=True, dtype=torch.float32
         )
     model.eval()
+    saved = path / "lssar.json"
+    if attn is None and saved.is_file():  # a converted model runs the rule it was converted to
+        rec = json.loads(saved.read_text())
+        attn, p = rec.get("attn"), rec.get("p")
     if attn is not None:
         set_attention(model, attn, p, **attn_options)
     return model, describe_source(path)
