@@ -261,3 +261,42 @@ def test_copy_probe_sees_the_copy_only_within_its_window(tiny_dir, corpus, tmp_p
     full = copy_probe(Copier(), val, [96], n=2, segment=16, progress=False)
     local = copy_probe(Copier(), val, [96], n=2, segment=16, window=32, progress=False)
     assert full["second"]["96"] < 1.0 < local["second"]["96"]
+
+
+def test_lssar_eval_on_a_model_directory_is_cached(tiny_dir, corpus, tmp_path, capsys):
+    from lssar.cli import main
+
+    ds = _dataset(tiny_dir, corpus, tmp_path)
+    argv = ["eval", str(tiny_dir), "--data", str(ds), "--lengths", "16,64", "--documents", "2",
+            "--window", "16", "--copy", "64", "--copy-probes", "2", "--dtype", "fp32"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| 64 | 128 |" in out and "| copy distance |" in out
+    cached = tiny_dir / "eval" / "window16_to64.json"
+    first = json.loads(cached.read_text())
+    assert main(argv) == 0  # reused: the same result, not recomputed
+    assert json.loads(cached.read_text())["eval_env"] == first["eval_env"]
+
+
+def test_the_quick_conversion_study_end_to_end(tmp_path):
+    from lssar.studies.convert.study import run_study
+
+    out = run_study("quick", runs=tmp_path / "runs", out=tmp_path / "report", progress=False)
+    report = (out / "REPORT.md").read_text()
+    results = json.loads((out / "results.json").read_text())
+    labels = {(r["arm"], r["window"], r["rope_scaling"], r["long"]) for r in results["results"]}
+    assert ("softmax", 32, None, False) in labels  # the sliding-window control
+    assert ("lssar p=15", 32, None, False) in labels  # LSSAR with its own L-key window
+    assert ("softmax", None, "yarn auto", True) in labels  # YaRN past the model's positions
+    assert ("original", None, None, False) in labels
+    assert {r["config"]["seed"] for r in results["results"] if r["arm"] == "lssar p=15"} == {0, 1}
+    assert all(c["verdict"] for c in results["claims"]) and len(results["claims"]) >= 6
+    sections = ("## Recovery", "## Loss by evaluation length", "## Past the model's own",
+                "## Does the model use context beyond L?", "## The declared claims")  # fmt: skip
+    assert all(s in report for s in sections)
+    assert (out / "recovery.png").stat().st_size > 0
+    # the findings checker reads the report like an LM report
+    from lssar.studies.findings import quantity
+
+    iv = quantity(out, 'loss "lssar p=15" - "softmax" @4')
+    assert iv.n == 2

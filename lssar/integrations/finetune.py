@@ -174,7 +174,7 @@ def packed_batch(windows: torch.Tensor, eot: int | None, collator: Any) -> dict[
     return collator(feats)
 
 
-def _autocast(dtype: str) -> Any:
+def autocast(dtype: str) -> Any:
     use = dtype == "bf16" or (dtype == "auto" and _native_bf16())
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=use)
 
@@ -191,7 +191,7 @@ def heldout_loss(model: Any, val: np.ndarray, seq_len: int, windows: int, dtype:
     """Mean next-token loss over ``windows`` fixed held-out windows of ``seq_len`` tokens (the
     same windows at every step and for every arm: the recovery curve)."""
     total, n = 0.0, 0
-    with evaluating(model) as lm, _autocast(dtype):
+    with evaluating(model) as lm, autocast(dtype):
         for x, y in data.iter_eval_windows(val, seq_len, windows * seq_len, batch_size=windows):
             _, loss = lm(x, y, reduction="none")
             total += float(loss.double().sum())
@@ -227,7 +227,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True, stop_after: int | None 
     with open_run(run_dir, asdict(cfg), what="fine-tuning run") as run:
         if run.done is not None:
             return run_dir
-        model_dir = source if source.is_dir() else _exported(source, run_dir)
+        model_dir = source_dir(source, run_dir.parent)
         ds = dataset_dir(cfg, model_dir)
         model, info = load_model(model_dir, cfg.attn, cfg.p)
         limit = max_positions(model.config)
@@ -242,7 +242,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True, stop_after: int | None 
         state = run.resume(model, opt)
         step = 0 if state is None else state["step"]
         env = environment("cpu", source=info | {"original": str(describe_source(source)["note"])})
-        run.start(step, env=env | {"trainable_parameters": n_train})
+        run.start(step, env=env | {"trainable_parameters": n_train, "dataset": str(ds)})
         train = data.load_split(ds, "train")
         val = data.load_split(ds, "val")
         eot = data.read_manifest(ds)["eot"]
@@ -263,7 +263,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True, stop_after: int | None 
             for micro in range(cfg.grad_accum):
                 x, _ = data.get_batch(train, step, micro, cfg.batch_size, cfg.seq_len, cfg.seed)
                 batch = packed_batch(x, eot, collator)
-                with _autocast(cfg.dtype):
+                with autocast(cfg.dtype):
                     loss = model(**batch, use_cache=False).loss / cfg.grad_accum
                 loss.backward()
                 loss_sum += float(loss.detach())
@@ -280,6 +280,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True, stop_after: int | None 
                 "step": step,
                 "loss": loss_val,
                 "lr": opt.param_groups[0]["lr"],
+                "seconds": round(time.time() - t0, 2),  # since this invocation started
             }
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 record["val_loss"] = heldout_loss(
@@ -305,10 +306,12 @@ def finetune(cfg: FinetuneConfig, progress: bool = True, stop_after: int | None 
     return run_dir
 
 
-def _exported(source: Path, run_dir: Path) -> Path:
-    """A GGUF source saved once as an HF directory beside the run (its tokenizer.json is what the
-    dataset is tokenised with)."""
-    out = run_dir.parent / f"{source.stem}-hf"
+def source_dir(source: Path, where: Path) -> Path:
+    """The HF directory of a resolved source: itself, or a GGUF file saved once as an HF
+    directory in ``where`` (its tokenizer.json is what the dataset is tokenised with)."""
+    if source.is_dir():
+        return source
+    out = where / f"{source.stem}-hf"
     if not (out / "config.json").is_file():
         model, info = load_model(source)
         save_model(model, load_tokenizer(source), out, info)
