@@ -57,7 +57,6 @@ else:  # pragma: no cover
 TRAINABLE = ("all", "attention")
 # parameters trained with trainable="attention": the attention projections and every norm
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "norm")
-RECIPES = "lssar.configs.finetune"
 
 
 @dataclass
@@ -127,7 +126,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     if path.suffix == ".toml" and path.is_file():
         text = path.read_text()
     else:
-        shipped = resources.files(RECIPES)
+        shipped = resources.files("lssar").joinpath("configs", "finetune")
         names = sorted(f.name[:-5] for f in shipped.iterdir() if f.name.endswith(".toml"))
         if name_or_path not in names:
             raise ValueError(

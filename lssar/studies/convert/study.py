@@ -182,7 +182,9 @@ def run_study(
     if seeds is not None:
         p = dataclasses.replace(p, seeds=tuple(seeds))
     runs = Path(runs) / f"convert-{p.name}"
-    _model_source(p, runs)  # made once, before any worker needs it
+    # the model as an HF directory and its dataset, made once before any worker needs them
+    model_dir = ft.source_dir(resolve_source(_model_source(p, runs)), runs)
+    ft.dataset_dir(finetune_config(p, p.arms[0], p.seeds[0], runs), model_dir)
     units = [(p, a, s, runs, progress and jobs == 1) for s in p.seeds for a in p.arms
              if a != ORIGINAL or s == p.seeds[0]]  # fmt: skip
     results = [r for rs in run_units(run_unit, units, jobs) for r in rs]
