@@ -26,6 +26,11 @@ def _dirs(root, preset):
     return root / "runs" / f"orbits-{preset}", root / "reports" / f"orbits-{preset}"
 
 
+def _cli(tmp_path):
+    """``lssar orbits`` with its runs and report in ``tmp_path``."""
+    return ["orbits", "--runs", str(tmp_path / "r"), "--out", str(tmp_path)]
+
+
 # Tiny sizes: the whole pipeline (data, pretraining, probes, SR, report) in seconds.
 MICRO = {
     "data.n_systems": 120,
@@ -148,10 +153,7 @@ def test_changed_code_recomputes_every_stage(micro, tmp_path, monkeypatch):
 def test_bad_set_is_one_error_line_before_anything_is_written(setting, match, tmp_path, capsys):
     with pytest.raises(ValueError, match=match):
         ex.resolve_preset("quick", ex.parse_set([setting]))
-    assert (
-        main(["orbits", "--runs", str(tmp_path / "r"), "--out", str(tmp_path), "--set", setting])
-        == 2
-    )
+    assert main([*_cli(tmp_path), "--set", setting]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert list(tmp_path.iterdir()) == []
@@ -346,20 +348,7 @@ def test_impossible_orbits_surface_kepler_message(tmp_path, capsys):
             {**MICRO, "data.e_max": 1.5},
             progress=False,
         )
-    assert (
-        main(
-            [
-                "orbits",
-                "--runs",
-                str(tmp_path / "r"),
-                "--out",
-                str(tmp_path),
-                "--set",
-                "data.m1_range=(2.0, 1.0)",
-            ]
-        )
-        == 2
-    )
+    assert main([*_cli(tmp_path), "--set", "data.m1_range=(2.0, 1.0)"]) == 2
     assert "m1_range must satisfy" in capsys.readouterr().err
 
 
@@ -376,20 +365,7 @@ def test_missing_sr_backend_names_what_to_install(tmp_path, capsys):
             backend="pysr",
             progress=False,
         )
-    assert (
-        main(
-            [
-                "orbits",
-                "--runs",
-                str(tmp_path / "r"),
-                "--out",
-                str(tmp_path),
-                "--sr-backend",
-                "pysr",
-            ]
-        )
-        == 2
-    )
+    assert main([*_cli(tmp_path), "--sr-backend", "pysr"]) == 2
     assert "pip install pyoperon" in capsys.readouterr().err
 
 

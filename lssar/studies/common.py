@@ -328,6 +328,11 @@ def conditions(envs: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def environment_section(env: dict[str, Any], title: str = "## Environment") -> list[str]:
+    """A report's last section: ``title`` and the environment ``env`` as a JSON block."""
+    return [title, "", "```", json.dumps(env, indent=1), "```", ""]
+
+
 def write_report(
     out: Path,
     lines: Sequence[str],
