@@ -126,3 +126,6 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     with open_run(tmp_path / "r", {"total": TOTAL, "model": "mlp"}) as run:
         with pytest.raises(ValueError, match=r"latest\.pt does not fit this model .*start a new"):
             run.resume(torch.nn.Linear(3, 3))
+        run.save(1, torch.nn.Linear(3, 3))  # no optimizer state
+        with pytest.raises(ValueError, match="holds no optimizer state: start the run over"):
+            run.resume(torch.nn.Linear(3, 3), torch.optim.SGD(torch.nn.Linear(3, 3).parameters()))
