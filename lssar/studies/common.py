@@ -244,7 +244,7 @@ def study_parser(
         "--jobs",
         type=int,
         help="units trained and evaluated at once, in worker processes of one torch thread "
-        "each (default: the preset's); results do not depend on it",
+        "each (default: the preset's, else 1); results do not depend on it",
     )
     ap.add_argument("--runs", help=f"where the run directories live (default {runs})")
     ap.add_argument("--out", help=f"the report directory (default {out})")

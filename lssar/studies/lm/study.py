@@ -152,25 +152,21 @@ class LMStudy(Study):
     progress: bool
 
     def units(self) -> list[tuple[Any, ...]]:
-        train_preset = self.preset.train_preset
-        groups = units_by_run(
-            self.preset.arms, self.preset.seeds, lambda a, s: _run_name(train_preset, ARMS[a], s)
-        )
-        folder = self.preset.eval_folder or self.name
-        unit = (self.preset, folder)
+        p = self.preset
+        groups = units_by_run(p.arms, p.seeds, lambda a, s: _run_name(p.train_preset, ARMS[a], s))
+        folder = p.eval_folder or self.name
         return [
-            (*unit, arms, seed, self.runs, self.overrides, self.progress) for seed, arms in groups
+            (p, folder, arms, seed, self.runs, self.overrides, self.progress)
+            for seed, arms in groups
         ]
 
     def run_unit(self, *unit: Any) -> list[list[dict[str, Any]]]:
         return _train_and_evaluate(*unit)
 
     def write_report(self, results: list[Any], seconds: float) -> Path:
-        by_arm = {
-            (u[3], a): rs
-            for u, per_arm in zip(self.units(), results)
-            for a, rs in zip(u[2], per_arm)
-        }
+        by_arm = {}  # (seed, arm) -> its results
+        for (_, _, arms, seed, *_), per_arm in zip(self.units(), results):
+            by_arm.update({(seed, a): rs for a, rs in zip(arms, per_arm)})
         flat = [
             r for seed in self.preset.seeds for a in self.preset.arms for r in by_arm[(seed, a)]
         ]
