@@ -187,7 +187,7 @@ class Runner:
 
     def run(self, arm: Arm, seed: int) -> dict[str, Any]:
         d = self.runs / f"{arm.name}-s{seed}"
-        # two invocations on one --out: one works here; a stage write that was killed is
+        # two invocations on one --runs: one works here; a stage write that was killed is
         # removed. No config check: another setting recomputes the stages it changes
         with open_run(d, what="orbits run"):
             return self._run(arm, seed, d)
