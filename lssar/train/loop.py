@@ -1,10 +1,10 @@
 """Training: one loop for a single process and ``torchrun`` DDP, with exact resume.
 
-A run is the directory ``out_dir/run_name`` (its files and checkpoints: :mod:`lssar.train.runs`).
-The data order is a
-pure function of ``(seed, step, micro_step, rank)`` (:func:`lssar.data.get_batch`) and the LR a
-function of the step, so resuming from a checkpoint replays exactly the steps an uninterrupted
-run takes: no RNG state is saved. ``batch_size`` is per rank; a step sees
+A run is the directory ``out_dir/run_name`` (its files and checkpoints:
+:mod:`lssar.train.checkpoint`). The data order is a pure function of ``(seed, step, micro_step,
+rank)`` (:func:`lssar.data.get_batch`) and the LR a function of the step, so resuming from a
+checkpoint replays exactly the steps an uninterrupted run takes: no RNG state is saved.
+``batch_size`` is per rank; a step sees
 ``world_size * batch_size * grad_accum`` windows.
 """
 
@@ -38,7 +38,15 @@ from lssar.runio import (
     child_path,
     environment,
     exclusive_lock,
-    remove_stale_temps,
+)
+from lssar.train.checkpoint import (
+    LATEST,
+    append_log,
+    finish_run,
+    init_run_dir,
+    load_checkpoint,
+    remove_stale_files,
+    save_checkpoint,
 )
 from lssar.train.config import (
     TrainConfig,
@@ -49,25 +57,16 @@ from lssar.train.config import (
     parse_overrides,
     validate,
 )
-from lssar.train.runs import (
-    append_log,
-    check_same_config,
-    finish_run,
-    init_run_dir,
-    load_checkpoint,
-    load_model_state,
-    load_run,
-    save_checkpoint,
-    stored_train_config,
-)
+from lssar.train.runs import check_same_config, load_model_state, load_run, stored_train_config
+from lssar.train.schedule import warmup_cosine
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end
+    (:func:`lssar.train.schedule.warmup_cosine`)."""
+    return warmup_cosine(
+        step, total=cfg.max_steps, peak=cfg.lr, warmup=cfg.warmup_steps, floor=cfg.min_lr
+    )
 
 
 def _environment(device: torch.device, world: int) -> dict[str, Any]:
@@ -287,7 +286,7 @@ def _train(
         try:
             return _train_locked(cfg, resume, progress, d, stop_after, run_dir)
         except DiskFullError as e:
-            latest = run_dir / "ckpt" / "latest.pt"
+            latest = run_dir / LATEST
             kept = (
                 f"{latest} holds the last complete checkpoint: the same command resumes from it"
                 if latest.is_file()
@@ -310,11 +309,9 @@ def _train_locked(
     run_dir: Path,
 ) -> Path:
     master = d.rank == 0
-    latest = run_dir / "ckpt" / "latest.pt"
+    latest = run_dir / LATEST
     if master:  # temp files of a writer killed mid-write (no live writer: we hold the lock)
-        for folder in (run_dir, run_dir / "ckpt"):
-            for stale in remove_stale_temps(folder):
-                print(f"{run_dir}: removed {stale.name}, left by a write that was interrupted")
+        remove_stale_files(run_dir)
     _barrier()
     if resume and (stored := stored_train_config(run_dir)) is not None:
         check_same_config(stored, cfg, run_dir)
@@ -461,7 +458,7 @@ def _train_locked(
         if master:
             print(f"{run_dir}: stopped at step {step}/{cfg.max_steps}; run again to resume")
     elif master:
-        finish_run(run_dir, step, tokens, history[-1][1])
+        finish_run(run_dir, {"step": step, "tokens": tokens, "val_loss": history[-1][1]})
         print(f"{run_dir}: done, {step} steps, val loss {history[-1][1]:.4f}")
     _barrier()
     return run_dir
