@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,8 @@ from lssar.train.checkpoint import (
 )
 from lssar.train.schedule import set_lr, warmup_cosine
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models; and a fork needs no pool
+
 TOTAL = 12
 DATA = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
 
@@ -66,11 +65,14 @@ def fit(run_dir: Path, kill_at: int | None = None, config: dict | None = None) -
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     whole = fit(tmp_path / "whole")
-    code = "import sys; from pathlib import Path; from tests.test_checkpoint import fit; "
-    code += "fit(Path(sys.argv[1]), kill_at=8)"
-    cmd = [sys.executable, "-c", code, str(tmp_path / "k")]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == -signal.SIGKILL, r.stderr
+    pid = os.fork()  # a child that trains and SIGKILLs itself (no new interpreter to start)
+    if pid == 0:
+        try:
+            fit(tmp_path / "k", kill_at=8)
+        finally:
+            os._exit(1)  # reached only if the kill did not happen
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     run = tmp_path / "k"
     assert not (run / DONE).exists() and load_checkpoint(run / LATEST)["step"] == 8
     (run / "ckpt" / ".latest.pt.123.tmp").write_bytes(b"half a checkpoint")  # a killed write
@@ -126,3 +128,6 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     with open_run(tmp_path / "r", {"total": TOTAL, "model": "mlp"}) as run:
         with pytest.raises(ValueError, match=r"latest\.pt does not fit this model .*start a new"):
             run.resume(torch.nn.Linear(3, 3))
+        run.save(1, torch.nn.Linear(3, 3))  # no optimizer state
+        with pytest.raises(ValueError, match="holds no optimizer state: start the run over"):
+            run.resume(torch.nn.Linear(3, 3), torch.optim.SGD(torch.nn.Linear(3, 3).parameters()))

@@ -20,7 +20,7 @@ from lssar.studies import style
 from lssar.studies.labels import eval_label, group, key, run_label
 from lssar.studies.lm import presets as lm
 from lssar.studies.lm.figures import plot_results
-from lssar.studies.lm.reproduce import at_training_length
+from lssar.studies.lm.study import at_training_length
 from lssar.studies.orbits import presets as orbits
 from lssar.studies.recall import presets as recall
 from lssar.studies.style import MAX_LINES, colour, facets, linestyle

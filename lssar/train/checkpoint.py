@@ -288,6 +288,8 @@ class RunDir:
             return None
         ckpt = load_checkpoint(path, map_location)
         for obj, key in ((model, "model"), (optimizer, "optimizer"), (scheduler, "scheduler")):
+            if obj is not None and key not in ckpt:
+                raise ValueError(f"checkpoint {path} holds no {key} state: start the run over")
             if obj is not None:
                 load_state(obj, ckpt[key], path, key)
         return ckpt
@@ -310,7 +312,8 @@ class RunDir:
         **extra: Any,
     ) -> None:
         """Write ``ckpt/latest.pt``: the state dicts of those given, ``step`` and ``extra``
-        (data only: a data position, counters, a loss curve)."""
+        (data only: a data position, counters, a loss curve, ``torch.get_rng_state()`` for a
+        loop whose randomness is not a function of the step)."""
         state: dict[str, Any] = {"step": step, "model": model.state_dict()}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()

@@ -24,7 +24,7 @@ LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p
 QKNORM, SSMAX = AttentionSpec("softmax-qknorm-logn"), AttentionSpec("ssmax")
 # the decomposition of softmax-qknorm-logn and LSSA: each differs from a neighbour in
 # one thing. The constant-scale variants freeze ln d ln n at n = the training length: the runner
-# sets n from the run's seq_len (:func:`lssar.studies.lm.reproduce.at_training_length`), so
+# sets n from the run's seq_len (:func:`lssar.studies.lm.study.at_training_length`), so
 # their trained labels read "softmax-qknorm-const n=128"
 QK_CONST = AttentionSpec("softmax-qknorm-const")
 QK_LEARNED = AttentionSpec("softmax-qknorm-learned")

@@ -10,7 +10,6 @@ diagnostics and passkey sections, provenance.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from lssar.runio import environment
-from lssar.studies.common import conditions, provenance_head
+from lssar.studies.common import conditions, environment_section, provenance_head
 from lssar.studies.common import write_report as write_files
 from lssar.studies.labels import group
 from lssar.studies.lm.figures import normalised, plot_results
@@ -425,12 +424,7 @@ def write_report(
         "",
         *prov_rows,
         "",
-        "This invocation's environment:",
-        "",
-        "```",
-        json.dumps(env, indent=1),
-        "```",
-        "",
+        *environment_section(env, "This invocation's environment:"),
     ]
     out.mkdir(parents=True, exist_ok=True)
     plot_results(results, out)

@@ -17,13 +17,13 @@ use one core far better than two threads do); the results do not depend on ``job
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,15 @@ import torch.nn.functional as F
 
 from lssar.model import GPTConfig
 from lssar.runio import atomic_write, environment
-from lssar.studies.common import Arm, EvalRule, code_digest, run_units, units_by_run
+from lssar.studies.common import (
+    Arm,
+    EvalRule,
+    Study,
+    code_digest,
+    study_args,
+    study_parser,
+    units_by_run,
+)
 from lssar.studies.labels import eval_label
 from lssar.studies.recall.model import RecallModel
 from lssar.studies.recall.presets import (
@@ -366,6 +374,95 @@ def run_unit(
     return info, rows
 
 
+@dataclass
+class RecallStudy(Study):
+    """``lssar recall``: one unit per trained model (its seed, the arms evaluated on it), each
+    trained (:func:`train_arm`) and evaluated with every rule (:func:`run_unit`); the report
+    (:mod:`lssar.studies.recall.report`) gets the tidy rows and the first seed's models for the
+    attention maps."""
+
+    cfg: StudyConfig
+    runs: Path
+    out: Path
+    name: str = "custom"
+    progress: bool = True  # inside a unit: bars per model (one unit at a time only)
+    attention_maps: bool = True
+
+    def units(self) -> list[tuple[Any, ...]]:
+        return units(self.cfg)
+
+    def run_unit(self, seed: int, arms: tuple[str, ...]) -> Any:
+        return run_unit(self.cfg, seed, arms, self.runs, self.progress)
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        from lssar.studies.recall.report import write_report
+
+        cfg = self.cfg
+        train_info = [x for info, _ in results for x in info]
+        rows = [r for _, unit_rows in results for r in unit_rows]
+        models: dict[str, tuple[RecallModel, Arm]] = {}
+        if self.attention_maps:  # the first seed's models (finished: loaded, not trained)
+            for seed, arms in self.units():
+                if seed == cfg.seeds[0]:
+                    model, _ = train_arm(cfg, ARMS[arms[0]], seed, self.runs, progress=False)
+                    for a in arms:
+                        models[a] = (model, ARMS[a])
+        models = {a: models[a] for a in cfg.arms if a in models}
+        meta = self._meta(seconds, runs=train_info)
+        write_report(rows, meta, self.out, models or None, cfg)
+        return self.out
+
+    def _meta(self, seconds: float, **extra: Any) -> dict[str, Any]:
+        """What the report records of this invocation; ``runs`` after the config, ``command``
+        before the environment (the order of earlier reports)."""
+        meta = {"preset": self.name, "config": dataclasses.asdict(self.cfg)}
+        if "runs" in extra:
+            meta["runs"] = extra.pop("runs")
+        meta |= {"seconds": seconds, "date": dt.date.today().isoformat()}
+        return meta | extra | {"env": environment("cpu")}
+
+
+@dataclass
+class RecallPilot(RecallStudy):
+    """``lssar recall --pilot``: train only; ``PILOT.md`` with each model's training accuracy
+    against step."""
+
+    command: str = "lssar.studies.recall.study.run_pilot"
+
+    def run_unit(self, seed: int, arms: tuple[str, ...]) -> Any:
+        return pilot_unit(self.cfg, seed, arms, self.runs, self.progress)
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        from lssar.studies.recall.report import write_pilot
+
+        return write_pilot(results, self._meta(seconds, command=self.command), self.out)
+
+
+def _run(study: RecallStudy, progress: bool) -> Path:
+    """Run ``study`` with the config's workers (one unit: in this process), a bar over the
+    units when there are several workers."""
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    todo = study.units()
+    jobs = study.cfg.jobs if len(todo) > 1 else 1
+    study.progress = progress and jobs == 1
+    bar = None
+    if progress and jobs > 1:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"models ({jobs} workers)")
+
+    def finished(i: int, _: Any) -> None:
+        if bar is not None:
+            bar.write(f"done: {', '.join(todo[i][1])} (seed {todo[i][0]})")
+            bar.update(1)
+
+    try:
+        return study.run(jobs, finished).report
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def run_study(
     cfg: StudyConfig,
     out: str | Path,
@@ -375,48 +472,8 @@ def run_study(
     attention_maps: bool = True,
 ) -> Path:
     """Train/reuse every (arm, seed), evaluate, write ``results.json``, REPORT.md and plots."""
-    from lssar.studies.recall.report import write_report
-
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    out, runs = Path(out), Path(runs)
-    started = time.time()
-    todo = units(cfg)
-    parallel = cfg.jobs > 1 and len(todo) > 1
-    bar = None
-    if progress and parallel:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), desc=f"models ({cfg.jobs} workers)")
-
-    def finished(i: int, _: Any) -> None:
-        if bar is not None:
-            bar.write(f"done: {', '.join(todo[i][1])} (seed {todo[i][0]})")
-            bar.update(1)
-
-    work = [(cfg, seed, arms, runs, progress and not parallel) for seed, arms in todo]
-    results = run_units(run_unit, work, cfg.jobs if parallel else 1, finished)
-    if bar is not None:
-        bar.close()
-    train_info = [x for info, _ in results for x in info]
-    rows = [r for _, unit_rows in results for r in unit_rows]
-    models: dict[str, tuple[RecallModel, Arm]] = {}
-    if attention_maps:  # the first seed's models (finished: loaded, not trained)
-        for seed, arms in todo:
-            if seed == cfg.seeds[0]:
-                model, _ = train_arm(cfg, ARMS[arms[0]], seed, runs, progress=False)
-                for a in arms:
-                    models[a] = (model, ARMS[a])
-    models = {a: models[a] for a in cfg.arms if a in models}
-    meta = {
-        "preset": name,
-        "config": dataclasses.asdict(cfg),
-        "runs": train_info,
-        "seconds": time.time() - started,
-        "date": dt.date.today().isoformat(),
-        "env": environment("cpu"),
-    }
-    write_report(rows, meta, out, models or None, cfg)
-    return out
+    study = RecallStudy(cfg, Path(runs), Path(out), name, attention_maps=attention_maps)
+    return _run(study, progress)
 
 
 def pilot_unit(
@@ -445,40 +502,18 @@ def run_pilot(
     """Train every model of ``cfg`` and write ``PILOT.md`` + ``pilot.json``: training accuracy
     against step for each, and the step at which it learned the task (or that it did not).
     This is how a setting is sized before a study runs in it (``lssar recall --pilot``)."""
-    from lssar.studies.recall.report import write_pilot
-
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    out, runs = Path(out), Path(runs)
-    started = time.time()
-    todo = units(cfg)
-    jobs = cfg.jobs if len(todo) > 1 else 1
-    work = [(cfg, seed, arms, runs, progress and jobs == 1) for seed, arms in todo]
-    models = run_units(pilot_unit, work, jobs)
-    meta = {
-        "preset": name,
-        "config": dataclasses.asdict(cfg),
-        "seconds": time.time() - started,
-        "date": dt.date.today().isoformat(),
-        "command": command,
-        "env": environment("cpu"),
-    }
-    return write_pilot(models, meta, out)
+    return _run(RecallPilot(cfg, Path(runs), Path(out), name, command=command), progress)
 
 
 def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="lssar recall",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = study_parser(
+        "lssar recall",
+        __doc__,
+        PRESETS,
+        ARMS,
+        runs="runs/recall",
+        out="reports/recall-PRESET-DATE, or reports/pilot-PRESET-DATE",
     )
-    ap.add_argument(
-        "--preset", default="quick", help=", ".join(f"{k} ({v.budget})" for k, v in PRESETS.items())
-    )
-    ap.add_argument("--out", help="report directory (default reports/recall-PRESET-DATE)")
-    ap.add_argument("--runs", help="run directories (default runs/recall)")
-    ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(ARMS)}")
-    ap.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
-    ap.add_argument("--jobs", type=int, help="worker processes (default: the preset's)")
     ap.add_argument(
         "--set",
         action="append",
@@ -492,16 +527,13 @@ def cli(argv: list[str]) -> int:
         help="train only and report training accuracy against step (PILOT.md): size a "
         "setting before studying it",
     )
-    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    arms, seeds = study_args(args)
     over: dict[str, Any] = parse_set(args.set)
-    if args.arms:
-        over["arms"] = tuple(a.strip() for a in args.arms.split(","))
-    if args.seeds:
-        try:
-            over["seeds"] = tuple(int(s) for s in args.seeds.split(","))
-        except ValueError:
-            raise ValueError(f"--seeds {args.seeds!r}: expected integers like 0,1,2") from None
+    if arms:
+        over["arms"] = tuple(arms)
+    if seeds:
+        over["seeds"] = tuple(seeds)
     if args.jobs is not None:
         over["jobs"] = args.jobs
     cfg = preset_config(args.preset, **over)
