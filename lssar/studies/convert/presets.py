@@ -116,6 +116,7 @@ PRESETS = {
             eval_windows=2,
             dtype="fp32",
             val_fraction=0.4,
+            budget="about 2 min",
         ),
         Preset(
             name="smollm2",

@@ -16,7 +16,7 @@ from typing import Any
 from lssar import data
 from lssar.integrations import finetune as ft
 from lssar.integrations.pretrained import resolve_source, save_model
-from lssar.studies.common import run_units, select_arms
+from lssar.studies.common import Study, select_arms, study_args, study_parser
 from lssar.studies.convert.presets import ARMS, ORIGINAL, PRESETS, TINY, Preset
 from lssar.studies.lm.evaluate_hf import evaluate_model
 from lssar.train.checkpoint import read_json, read_log
@@ -161,6 +161,30 @@ def _result(
     }
 
 
+@dataclasses.dataclass
+class ConvertStudy(Study):
+    """``lssar convert-study``: one unit per (arm, seed) (the ``original`` arm once), each
+    fine-tuned (or reused) and evaluated by :func:`run_unit`; the report is
+    :mod:`lssar.studies.convert.report`."""
+
+    preset: Preset
+    runs: Path
+    out: Path | None = None
+    progress: bool = True  # inside a unit (one unit at a time only)
+
+    def units(self) -> list[tuple[Any, ...]]:
+        p = self.preset
+        return [(a, s) for s in p.seeds for a in p.arms if a != ORIGINAL or s == p.seeds[0]]
+
+    def run_unit(self, arm: str, seed: int) -> list[dict[str, Any]]:
+        return run_unit(self.preset, arm, seed, self.runs, self.progress)
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        from lssar.studies.convert.report import write
+
+        return write(self.preset, [r for rs in results for r in rs], self.out)
+
+
 def run_study(
     preset: str,
     arms: list[str] | None = None,
@@ -172,8 +196,6 @@ def run_study(
 ) -> Path:
     """Run every unit of ``preset`` (resuming what exists) and write the report; returns its
     directory."""
-    from lssar.studies.convert.report import write
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -185,32 +207,21 @@ def run_study(
     # the model as an HF directory and its dataset, made once before any worker needs them
     model_dir = ft.source_dir(resolve_source(_model_source(p, runs)), runs)
     ft.dataset_dir(finetune_config(p, p.arms[0], p.seeds[0], runs), model_dir)
-    units = [(p, a, s, runs, progress and jobs == 1) for s in p.seeds for a in p.arms
-             if a != ORIGINAL or s == p.seeds[0]]  # fmt: skip
-    results = [r for rs in run_units(run_unit, units, jobs) for r in rs]
-    return write(p, results, Path(out) if out else None)
+    study = ConvertStudy(p, runs, Path(out) if out else None, progress and jobs == 1)
+    return study.run(jobs).report
 
 
 def cli(argv: list[str]) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="lssar convert-study", description=__doc__)
-    ap.add_argument(
-        "--preset",
-        default="quick",
-        help=", ".join(
-            f"{k} ({v.summary}{'; ' + v.budget if v.budget else ''})" for k, v in PRESETS.items()
-        ),
+    ap = study_parser(
+        "lssar convert-study",
+        __doc__,
+        PRESETS,
+        ARMS,
+        runs="runs (the study's runs go to runs/convert-PRESET)",
+        out="reports/convert-PRESET-DATE",
     )
-    ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(ARMS)}")
-    ap.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
-    ap.add_argument("--jobs", type=int, default=1, help="units at once (one thread each)")
-    ap.add_argument("--runs", default="runs", help="where run directories live")
-    ap.add_argument("--out", help="the report directory (default reports/convert-<preset>-<date>)")
-    ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    arms = a.arms.split(",") if a.arms else None
-    seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
-    out = run_study(a.preset, arms, seeds, a.runs, a.out, a.jobs, not a.no_progress)
+    arms, seeds = study_args(a)
+    out = run_study(a.preset, arms, seeds, a.runs or "runs", a.out, a.jobs or 1, not a.no_progress)
     print(f"report: {out / 'REPORT.md'}")
     return 0
