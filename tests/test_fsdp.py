@@ -26,6 +26,7 @@ from lssar.cli import main
 from lssar.train import fsdp, train
 from lssar.train.config import load_config
 from lssar.train.runs import load_run
+from tests.test_train import TINY, log_of
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -34,23 +35,7 @@ pytestmark = [
 
 # 2 ranks x batch_size 2 = one process's 4 rows; accumulation, a checkpoint every 2 steps, and
 # activation checkpointing on (what it recomputes must not change a bit)
-RUN = dict(
-    n_layer=2,
-    n_head=2,
-    n_embd=32,
-    seq_len=32,
-    batch_size=2,
-    grad_accum=2,
-    eval_tokens=256,
-    warmup_steps=2,
-    lr=1e-2,
-    min_lr=1e-3,
-    dtype="fp32",
-    log_every=1,
-    eval_every=4,
-    ckpt_every=2,
-    max_steps=12,
-)
+RUN = TINY | {"batch_size": 2, "grad_accum": 2, "ckpt_every": 2, "max_steps": 12}
 FSDP = {"fsdp": True, "activation_checkpointing": True}
 
 
@@ -85,11 +70,6 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 def _run(args: list[str]) -> None:
     r = subprocess.run(_torchrun(args), capture_output=True, text=True, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-
-
-def log_of(run: Path, event: str = "train") -> list[dict]:
-    lines = (run / "log.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
 def weights(run: Path, which: str = "final") -> dict[str, torch.Tensor]:
