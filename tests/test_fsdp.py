@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from lssar.cli import main
 from lssar.train import fsdp, train
 from lssar.train.config import load_config
 from lssar.train.runs import load_run
-from tests.test_train import TINY, log_of
+from tests.test_train import TINY, TRAIN_ON_2_RANKS, log_of
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -50,25 +49,12 @@ def _args(data_dir: Path, out: Path, name: str, **kw) -> list[str]:
     return ["--no-progress", *(f"--{k}={v}" for k, v in over.items())]
 
 
-def _torchrun(args: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "lssar",
-        "train",
-        *args,
-    ]
-
-
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
 def _run(args: list[str]) -> None:
-    r = subprocess.run(_torchrun(args), capture_output=True, text=True, env=ENV, timeout=600)
+    cmd = [*TRAIN_ON_2_RANKS, *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -159,7 +145,7 @@ def test_a_killed_rank_leaves_a_whole_checkpoint_to_resume_from(
     args = _args(data_dir, tmp_path, "k", **FSDP)
     k = tmp_path / "k"
     proc = subprocess.Popen(
-        _torchrun(args),
+        [*TRAIN_ON_2_RANKS, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=ENV,
