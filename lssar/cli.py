@@ -26,17 +26,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sample": ("lssar.train:sample_cli", "generate text from a run: lssar sample RUN --prompt"),
     "eval": ("lssar.studies.lm.evaluate:cli", "loss vs length, passkey, diagnostics for a run"),
     "reproduce": (
-        "lssar.studies.lm.reproduce:cli",
+        "lssar.studies.lm.study:cli",
         "train + evaluate every variant, write a report",
     ),
-    "orbits": ("lssar.studies.orbits.experiment:cli", "the orbital world-model experiment"),
+    "orbits": ("lssar.studies.orbits.study:cli", "the orbital world-model experiment"),
     "lm-eval": ("lssar.integrations.hf:lm_eval_cli", "lm-evaluation-harness on a run's checkpoint"),
     "export-hf": (
         "lssar.integrations.hf:export_cli",
         "save a run as a transformers model directory",
     ),
     "recall": (
-        "lssar.studies.recall:cli",
+        "lssar.studies.recall.study:cli",
         "associative-recall length study: lssar recall --preset quick",
     ),
 }

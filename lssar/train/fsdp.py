@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lssar.runio import atomic_write
+from lssar.train.checkpoint import CONFIG, read_json, write_json
 
 FORMAT = "lssar-dcp"
 POINTER = Path("ckpt/latest.json")
@@ -116,8 +116,7 @@ def rebatched(stored: dict[str, Any], run_dir: Path, batch_size: int, world: int
     trained on another number of ranks with the same global batch (``world_size x batch_size``
     rows a micro-step, so the data order is the run's); ``ValueError`` when the global batch
     would change. A run from before ``world_size`` was recorded is returned as it is."""
-    config = json.loads((Path(run_dir) / "config.json").read_text())
-    then = config.get("world_size")
+    then = read_json(Path(run_dir) / CONFIG).get("world_size")
     if then is None or then == world:
         return stored
     rows = stored["batch_size"] * then
@@ -156,8 +155,7 @@ def save(run_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict
     if dist.get_rank() == 0:
         old = pointer(run_dir)
         body = {"format": FORMAT, "version": 1, "dir": str(name), **meta}
-        text = json.dumps(body, indent=2) + "\n"
-        atomic_write(run_dir / POINTER, lambda f: f.write(text.encode()))  # the commit point
+        write_json(run_dir / POINTER, body)  # the commit point: an atomic rename
         if old is not None:
             shutil.rmtree(run_dir / old["dir"], ignore_errors=True)
     dist.barrier()

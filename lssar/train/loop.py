@@ -1,10 +1,10 @@
 """Training: one loop for a single process, ``torchrun`` DDP and FSDP, with exact resume.
 
-A run is the directory ``out_dir/run_name`` (its files and checkpoints: :mod:`lssar.train.runs`).
-The data order is a
-pure function of ``(seed, step, micro_step, rank)`` (:func:`lssar.data.get_batch`) and the LR a
-function of the step, so resuming from a checkpoint replays exactly the steps an uninterrupted
-run takes: no RNG state is saved. ``batch_size`` is per rank; a step sees
+A run is the directory ``out_dir/run_name`` (its files and checkpoints:
+:mod:`lssar.train.checkpoint`). The data order is a pure function of ``(seed, step, micro_step,
+rank)`` (:func:`lssar.data.get_batch`) and the LR a function of the step, so resuming from a
+checkpoint replays exactly the steps an uninterrupted run takes: no RNG state is saved.
+``batch_size`` is per rank; a step sees
 ``world_size * batch_size * grad_accum`` windows. ``--fsdp`` shards the model, gradients and
 optimizer state over the ranks and writes sharded checkpoints (:mod:`lssar.train.fsdp`).
 """
@@ -39,9 +39,20 @@ from lssar.runio import (
     child_path,
     environment,
     exclusive_lock,
-    remove_stale_temps,
 )
 from lssar.train import fsdp
+from lssar.train.checkpoint import (
+    DONE,
+    FINAL,
+    LATEST,
+    append_log,
+    finish_run,
+    init_run_dir,
+    load_checkpoint,
+    remove_stale_files,
+    save_checkpoint,
+    write_json,
+)
 from lssar.train.config import (
     TrainConfig,
     default_run_name,
@@ -51,26 +62,16 @@ from lssar.train.config import (
     parse_overrides,
     validate,
 )
-from lssar.train.runs import (
-    append_log,
-    check_same_config,
-    finish_run,
-    init_run_dir,
-    load_checkpoint,
-    load_model_state,
-    load_run,
-    save_checkpoint,
-    stored_train_config,
-    write_json,
-)
+from lssar.train.runs import check_same_config, load_model_state, load_run, stored_train_config
+from lssar.train.schedule import warmup_cosine
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end
+    (:func:`lssar.train.schedule.warmup_cosine`)."""
+    return warmup_cosine(
+        step, total=cfg.max_steps, peak=cfg.lr, warmup=cfg.warmup_steps, floor=cfg.min_lr
+    )
 
 
 def _environment(device: torch.device, world: int) -> dict[str, Any]:
@@ -306,7 +307,7 @@ def _train(
         try:
             return _train_locked(cfg, resume, progress, d, stop_after, run_dir)
         except DiskFullError as e:
-            latest = run_dir / (fsdp.POINTER if cfg.fsdp else "ckpt/latest.pt")
+            latest = run_dir / (fsdp.POINTER if cfg.fsdp else LATEST)
             kept = (
                 f"{latest} holds the last complete checkpoint: the same command resumes from it"
                 if latest.is_file()
@@ -329,11 +330,9 @@ def _train_locked(
     run_dir: Path,
 ) -> Path:
     master = d.rank == 0
-    latest = run_dir / (fsdp.POINTER if cfg.fsdp else "ckpt/latest.pt")
+    latest = run_dir / (fsdp.POINTER if cfg.fsdp else LATEST)
     if master:  # temp files of a writer killed mid-write (no live writer: we hold the lock)
-        for folder in (run_dir, run_dir / "ckpt"):
-            for stale in remove_stale_temps(folder):
-                print(f"{run_dir}: removed {stale.name}, left by a write that was interrupted")
+        remove_stale_files(run_dir)
         if cfg.fsdp:  # and, starting over, every sharded checkpoint of the earlier attempt
             fsdp.remove_stale(run_dir, fresh=not resume)
     _barrier()
@@ -498,11 +497,11 @@ def _train_locked(
     elif cfg.fsdp:  # final.pt: the full model, as every other run's (a collective gather)
         full = fsdp.consolidate(raw)
         if master:
-            save_checkpoint(run_dir / "ckpt/final.pt", model=full, **meta())
+            save_checkpoint(run_dir / FINAL, model=full, **meta())
             summary = {"step": step, "tokens": tokens, "val_loss": history[-1][1]}
-            write_json(run_dir / "DONE", summary)
+            write_json(run_dir / DONE, summary)
     elif master:
-        finish_run(run_dir, step, tokens, history[-1][1])
+        finish_run(run_dir, {"step": step, "tokens": tokens, "val_loss": history[-1][1]})
     if step == cfg.max_steps and master:
         print(f"{run_dir}: done, {step} steps, val loss {history[-1][1]:.4f}")
     _barrier()
