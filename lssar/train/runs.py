@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lssar.model import GPT, GPTConfig
+from lssar.train import fsdp
 from lssar.train.checkpoint import CONFIG, FINAL, LATEST, check_config, load_checkpoint, load_state
 from lssar.train.config import BOOKKEEPING, TrainConfig
 
@@ -46,23 +47,32 @@ def load_run(
 ) -> tuple[GPT, TrainConfig, dict[str, Any]]:
     """The model of a run (weights loaded, eval mode), its :class:`TrainConfig`, and metadata.
 
-    ``which`` is ``"final"`` (finished runs) or ``"latest"``. Metadata: ``step``, ``tokens``,
-    ``val_history`` (``[step, val_loss]`` pairs), ``data_dir``, ``tokenizer``, ``corpus``,
-    ``run_dir``, ``checkpoint``.
+    ``which`` is ``"final"`` (finished runs) or ``"latest"`` (for an FSDP run, its sharded
+    checkpoint, gathered in this process whatever the number of ranks that wrote it). Metadata:
+    ``step``, ``tokens``, ``val_history`` (``[step, val_loss]`` pairs), ``data_dir``,
+    ``tokenizer``, ``corpus``, ``run_dir``, ``checkpoint``.
     """
     if which not in ("final", "latest"):
         raise ValueError(f"which={which!r}: use 'final' or 'latest'")
     path = Path(run_dir) / {"final": FINAL, "latest": LATEST}[which]
-    if not path.is_file():
+    sharded = which == "latest" and (Path(run_dir) / fsdp.POINTER).is_file()
+    if not path.is_file() and not sharded:
+        unfinished = (Path(run_dir) / LATEST).is_file() or (Path(run_dir) / fsdp.POINTER).is_file()
         hint = (
-            ""
-            if which == "latest" or not (Path(run_dir) / LATEST).is_file()
-            else (": the run is not finished (resume it, or load which='latest')")
+            ": the run is not finished (resume it, or load which='latest')"
+            if which == "final" and unfinished
+            else ""
         )
         raise FileNotFoundError(f"{path} not found{hint}")
-    ckpt = load_checkpoint(path, map_location)
-    model = GPT(GPTConfig(**ckpt["gpt_config"]))
-    load_model_state(model, ckpt, path)
+    if path.is_file():
+        ckpt = load_checkpoint(path, map_location)
+        model = GPT(GPTConfig(**ckpt["gpt_config"]))
+        load_model_state(model, ckpt, path)
+    else:
+        ckpt = fsdp.pointer(run_dir)
+        model = GPT(GPTConfig(**ckpt["gpt_config"]))
+        fsdp.read_full(run_dir, ckpt, model)
+        path = Path(run_dir) / ckpt["dir"]
     if isinstance(map_location, (str, torch.device)):
         model.to(map_location)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
