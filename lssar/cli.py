@@ -35,6 +35,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "lssar.integrations.hf:export_cli",
         "save a run as a transformers model directory",
     ),
+    "convert": (
+        "lssar.integrations.finetune:convert_cli",
+        "save a pretrained model (a .gguf dequantised) as an HF directory",
+    ),
+    "finetune": (
+        "lssar.integrations.finetune:cli",
+        "convert a pretrained HF model to lssar attention by fine-tuning",
+    ),
+    "convert-study": (
+        "lssar.studies.convert.study:cli",
+        "convert a pretrained model to each rule, evaluate at length, report",
+    ),
     "recall": (
         "lssar.studies.recall.study:cli",
         "associative-recall length study: lssar recall --preset quick",

@@ -447,6 +447,12 @@ def results_markdown(r: dict[str, Any]) -> str:
 
 
 def cli(argv: list[str]) -> int:
+    if argv and not argv[0].startswith("-"):
+        from lssar.studies.lm.evaluate_hf import cli as hf_cli
+        from lssar.studies.lm.evaluate_hf import is_model_dir
+
+        if is_model_dir(argv[0]):  # a Hugging Face model directory, not an lssar train run
+            return hf_cli(argv)
     ap = argparse.ArgumentParser(
         prog="lssar eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
