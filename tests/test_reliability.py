@@ -579,18 +579,18 @@ def test_a_killed_worker_names_its_run_and_says_a_rerun_resumes(tmp_path):
 def test_a_refused_reproduce_unit_stops_every_unit_before_training(tmp_path):
     """The preflight of ``lssar reproduce``: a run of the preset that exists with another
     config refuses the whole command before any unit trains (here: before any starts)."""
-    from lssar.studies.lm import reproduce as rp
-    from lssar.train.runs import write_json
+    from lssar.studies.lm import study as lm
+    from lssar.train.checkpoint import write_json
 
-    runs, preset = tmp_path / "runs", rp.PRESETS["quick"]
-    name = lambda a, s: rp._run_name(preset.train_preset, rp.ARMS[a], s)  # noqa: E731
-    seed, arms = rp.units_by_run(preset.arms, preset.seeds, name)[-1]  # the last unit
-    cfg = rp._unit_config("quick", arms, seed, runs, ["--max_steps=3"])
+    runs, preset = tmp_path / "runs", lm.PRESETS["quick"]
+    name = lambda a, s: lm._run_name(preset.train_preset, lm.ARMS[a], s)  # noqa: E731
+    seed, arms = lm.units_by_run(preset.arms, preset.seeds, name)[-1]  # the last unit
+    cfg = lm._unit_config(preset, arms, seed, runs, ["--max_steps=3"])
     (runs / cfg.run_name).mkdir(parents=True)
     stored = {**dataclasses.asdict(cfg), "lr": 0.5}
     write_json(runs / cfg.run_name / "config.json", {"train": stored})
     with pytest.raises(ValueError, match=r"lr: 0\.5 \(run\) != "):
-        rp.reproduce("quick", runs, tmp_path / "reports", False, ["--max_steps=3"], jobs=2)
+        lm.run_study("quick", runs, tmp_path / "report", False, ["--max_steps=3"], jobs=2)
     assert sorted(p.name for p in runs.iterdir()) == [cfg.run_name]  # nothing else started
 
 
