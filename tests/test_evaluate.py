@@ -837,7 +837,7 @@ def test_environment_records_argv_relative_to_the_project(monkeypatch):
         (" M reports/recall-cpu-2026-12-03/REPORT.md", False),  # but a regenerated report
         ("?? reports/x/\n M lssar/model.py", True),
         ("?? lssar/ops/new_kernel.py", True),  # untracked code
-        ("?? configs/mine.toml", True),
+        ("?? lssar/configs/mine.toml", True),  # an untracked preset
         (None, None),  # not a git checkout
     ],
 )
@@ -845,6 +845,7 @@ def test_git_dirty_counts_tracked_changes_and_untracked_code(monkeypatch, status
     from lssar import runio
 
     monkeypatch.setattr(runio, "_git", lambda *a: status)
+    monkeypatch.setattr(runio, "in_checkout", lambda: status is not None)
     assert runio.git_dirty() is dirty
 
 

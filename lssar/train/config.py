@@ -1,4 +1,5 @@
-"""Training configuration: dataclass defaults < ``configs/<preset>.toml`` < ``--key=value``.
+"""Training configuration: dataclass defaults < a preset (``lssar/configs/<name>.toml``, shipped
+in the package, or a path to a .toml file) < ``--key=value``.
 
 Every field of :class:`TrainConfig` is a flag; values are parsed to the field's type and unknown
 keys are errors that suggest the closest names. :func:`parse_overrides` (``--key=value`` strings
@@ -17,6 +18,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
+# the presets ship inside the package (package data), so an installed wheel has them too
+PRESETS = resources.files("lssar") / "configs"
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 # GPTConfig fields that TrainConfig holds under the same name (vocab_size comes from the data,
 # the attention from TrainConfig.attention).
@@ -114,8 +117,25 @@ class TrainConfig:
 
 
 def list_presets() -> list[str]:
-    """Names of the presets in the repository's ``configs/`` directory."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+    """Names of the presets shipped in the package (``lssar/configs/*.toml``)."""
+    return sorted(p.name[: -len(".toml")] for p in PRESETS.iterdir() if p.name.endswith(".toml"))
+
+
+def preset_text(preset: str) -> tuple[str, str]:
+    """``(where, TOML text)`` of a preset: a shipped name (``tiny-cpu``) or a path to a .toml
+    file. ``ValueError`` for an unknown name, ``FileNotFoundError`` for a missing file."""
+    if preset.endswith(".toml"):
+        path = Path(preset).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"preset file {path} does not exist")
+        return str(path), path.read_text("utf-8")
+    shipped = PRESETS / f"{preset}.toml"
+    if "/" in preset or not shipped.is_file():
+        raise ValueError(
+            f"unknown preset {preset!r}; presets: {', '.join(list_presets())} "
+            "(or a path to a .toml file)"
+        )
+    return f"preset {preset}", shipped.read_text("utf-8")
 
 
 def parse_overrides(items: Sequence[str], cli: bool = False) -> dict[str, str]:
@@ -202,25 +222,10 @@ def _coerce(values: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _preset_path(preset: str) -> Path:
-    if preset.endswith(".toml"):
-        path = Path(preset).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"preset file {path} does not exist")
-        return path
-    path = PRESETS_DIR / f"{preset}.toml"
-    if not path.is_file():
-        raise ValueError(
-            f"unknown preset {preset!r}; presets: {', '.join(list_presets())} "
-            "(or a path to a .toml file)"
-        )
-    return path
-
-
 def load_config(
     preset: str | None = None, overrides: list[str] | dict[str, Any] | None = None
 ) -> TrainConfig:
-    """Dataclass defaults < ``configs/<preset>.toml`` (or a .toml path) < ``overrides``.
+    """Dataclass defaults < preset ``preset`` (a shipped name or a .toml path) < ``overrides``.
 
     ``overrides`` is a dict or ``"--key=value"`` / ``"key=value"`` strings (``--max-steps`` works
     as ``--max_steps``); strings are parsed to the field's type (``none`` for optional fields).
@@ -228,12 +233,12 @@ def load_config(
     """
     values: dict[str, Any] = {}
     if preset is not None:
-        path = _preset_path(preset)
+        where, text = preset_text(preset)
         try:
-            table = tomllib.loads(path.read_text("utf-8"))
+            table = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path} is not valid TOML: {e}") from e
-        values |= _coerce(table, str(path)) | {"preset": preset}
+            raise ValueError(f"{where} is not valid TOML: {e}") from e
+        values |= _coerce(table, where) | {"preset": preset}
     if isinstance(overrides, dict):
         values |= _coerce(overrides, "overrides")
     else:

@@ -36,6 +36,7 @@ from lssar.runio import (
     LockedError,
     RunFailure,
     child_path,
+    cpu_has_native_bf16,
     environment,
     exclusive_lock,
     remove_stale_temps,
@@ -70,10 +71,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
 
 
-def _environment(device: torch.device, world: int) -> dict[str, Any]:
-    return environment(device, world_size=world)
-
-
 # ----------------------------------------------------------------------------------- training
 
 
@@ -104,15 +101,6 @@ def _setup_distributed(device_opt: str) -> tuple[_Dist, bool]:
     return _Dist(rank, world, device), created
 
 
-def _cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16/AMX): else bf16 matmuls are emulated,
-    often ~100x slower than fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:  # a build without oneDNN, or the private op moved
-        return False
-
-
 def _use_bf16(dtype: str, device: torch.device) -> bool:
     """Whether to train under bf16 autocast: ``"auto"`` picks it where it is fast (CUDA with
     bf16, a CPU with native bf16), ``"bf16"`` insists (emulated on other CPUs), ``"fp32"`` never.
@@ -121,7 +109,7 @@ def _use_bf16(dtype: str, device: torch.device) -> bool:
     if dtype == "bf16" and not ok:
         raise ValueError(f"bf16 autocast is not supported on {device}: use --dtype=fp32")
     if dtype == "auto" and device.type == "cpu":
-        ok = _cpu_has_native_bf16()
+        ok = cpu_has_native_bf16()
     return dtype != "fp32" and ok
 
 
@@ -353,7 +341,8 @@ def _train_locked(
             "dataset": dataset,
             "autocast": "bf16" if bf16 else "fp32",  # what dtype="auto" resolved to here
         }
-        init_run_dir(run_dir, step, config, _environment(d.device, d.world))
+        env = environment(d.device, config["autocast"], world_size=d.world)
+        init_run_dir(run_dir, step, config, env)
         print(
             f"{cfg.run_name}: {raw.num_params() / 1e6:.2f}M params, {cfg.attn} attention, "
             f"{d.device} x{d.world}, data {data_dir}, step {step}/{cfg.max_steps}"
