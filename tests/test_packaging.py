@@ -22,9 +22,7 @@ else:  # Python 3.10
 
 
 def test_presets_are_package_data_and_a_toml_path_works_too(tmp_path):
-    assert {"tiny-cpu", "small-cpu", "paper-regime-cpu", "gpt2-124m-fineweb"} <= set(
-        list_presets()
-    )
+    assert {"tiny-cpu", "small-cpu", "paper-regime-cpu", "gpt2-124m-fineweb"} <= set(list_presets())
     # read through importlib.resources from inside the package, not from beside a checkout
     assert Path(str(PRESETS)).resolve() == Path(lssar.__file__).resolve().parent / "configs"
     assert not (ROOT / "configs").exists()
