@@ -20,7 +20,7 @@ from lssar.ops.registry import get_variant
 from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, run_units, units_by_run
 from lssar.studies.lm.evaluate import evaluate_run
-from lssar.studies.lm.presets import ARMS, PRESETS, Preset
+from lssar.studies.lm.presets import ARMS, PRESETS, Preset, get_preset
 from lssar.studies.lm.report import write_report
 
 
@@ -66,15 +66,21 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
 
 
 def evaluate_arm(
-    preset_name: str, arm: Arm, run: Path, train_len: int, progress: bool = True
+    preset_name: str,
+    arm: Arm,
+    run: Path,
+    train_len: int,
+    progress: bool = True,
+    smoke: bool = False,
 ) -> list[dict[str, Any]]:
     """The evaluations of one trained run for ``arm``: its own rule, or the sliding window of
     the training length for the window control (with passkey if ``arm`` is one of the preset's
     passkey arms; none for an arm of eval-only rules), then the arm's eval-only rules (the
     paper's fine-tuning-free re-weighting, the RoPE scalings). They go to
     ``RUN/eval/<folder>/`` (the preset's name unless it shares another's): presets that share a
-    training run (quick and cpu) keep their own evaluations."""
-    preset = PRESETS[preset_name]
+    training run (quick and cpu) keep their own evaluations. ``smoke``: the preset's
+    :func:`~lssar.studies.lm.presets.smoke` test."""
+    preset = get_preset(preset_name, smoke)
     kw = dict(
         multiples=preset.multiples,
         eval_tokens=preset.eval_tokens,
@@ -110,6 +116,7 @@ def _train_and_evaluate(
     runs_dir: Path,
     overrides: list[str],
     progress: bool,
+    smoke: bool = False,
 ) -> list[list[dict[str, Any]]]:
     """One training run and the arms evaluated on it (softmax, its window control and its RoPE
     scalings share one): train (or reuse, or resume) the run once, then evaluate each arm (rank
@@ -117,11 +124,13 @@ def _train_and_evaluate(
     from lssar.train import train
     from lssar.train.config import load_config, parse_overrides
 
-    preset, arm = PRESETS[preset_name], ARMS[arm_names[0]]
-    seq_len = load_config(preset.train_preset, parse_overrides(overrides)).seq_len
+    preset, arm = get_preset(preset_name, smoke), ARMS[arm_names[0]]
+    seq_len = load_config(preset.train_preset, {**preset.train, **parse_overrides(overrides)})
+    seq_len = seq_len.seq_len
     cfg = load_config(
         preset.train_preset,
         {
+            **preset.train,
             **at_training_length(arm.attention, seq_len).to_train(),
             "pos": arm.pos,
             "seed": seed,
@@ -134,7 +143,9 @@ def _train_and_evaluate(
     run = train(cfg, resume=True, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
         return [[] for _ in arm_names]
-    return [evaluate_arm(preset_name, ARMS[a], run, cfg.seq_len, progress) for a in arm_names]
+    return [
+        evaluate_arm(preset_name, ARMS[a], run, cfg.seq_len, progress, smoke) for a in arm_names
+    ]
 
 
 def reproduce(
@@ -144,26 +155,28 @@ def reproduce(
     progress: bool = True,
     overrides: list[str] | None = None,
     jobs: int = 1,
+    smoke: bool = False,
 ) -> Path:
     """Train + evaluate every arm of ``preset_name``; returns the report directory.
 
     ``jobs > 1`` trains and evaluates that many runs at once, in worker processes of one torch
-    thread each (not under torchrun, whose ranks train each run together)."""
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    thread each (not under torchrun, whose ranks train each run together). ``smoke``: the
+    preset's :func:`~lssar.studies.lm.presets.smoke` test (a few steps and tokens per arm; its
+    own runs directory and report)."""
+    preset = get_preset(preset_name, smoke)
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: need at least 1 worker")
     if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(f"--jobs {jobs} under torchrun: the ranks already share each run; drop it")
-    preset = PRESETS[preset_name]
     # Runs are named by the training preset, so presets that share it (quick, cpu) share runs.
-    runs_dir = Path(runs_dir or f"runs/reproduce-{preset.train_preset}")
+    kind = "smoke-" if smoke else ""
+    runs_dir = Path(runs_dir or f"runs/reproduce-{kind}{preset.train_preset}")
     started = time.time()
     groups = units_by_run(
         preset.arms, preset.seeds, lambda a, s: _run_name(preset.train_preset, ARMS[a], s)
     )
     units = [
-        (preset_name, arms, seed, runs_dir, list(overrides or []), progress and jobs == 1)
+        (preset_name, arms, seed, runs_dir, list(overrides or []), progress and jobs == 1, smoke)
         for seed, arms in groups
     ]
     done = run_units(_train_and_evaluate, units, jobs)
@@ -175,8 +188,9 @@ def reproduce(
     if int(os.environ.get("RANK", "0")) != 0:
         return Path(reports_dir)
     stamp = dt.date.today().isoformat()
-    out = Path(reports_dir) / f"{preset_name}-{stamp}"
-    write_report(preset_name, preset, results, out, time.time() - started)
+    out = Path(reports_dir) / f"{preset_name}-{kind}{stamp}"
+    name = f"{preset_name} --smoke" if smoke else preset_name
+    write_report(name, preset, results, out, time.time() - started)
     return out
 
 
@@ -203,10 +217,17 @@ def cli(argv: list[str]) -> int:
         action="store_true",
         help="paper preset: run the torchrun commands here instead of printing them",
     )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that this install runs the preset: every arm for a few steps on few tokens, "
+        "one seed (runs/reproduce-smoke-*, reports/PRESET-smoke-DATE); measures nothing",
+    )
     args, overrides = ap.parse_known_args(argv)
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    get_preset(args.preset)  # an unknown name fails first
     if args.preset == "paper" and not args.execute:
+        if args.smoke:
+            raise ValueError("--smoke runs the paper preset here: add --execute")
         runs = Path(args.runs_dir or f"runs/reproduce-{PRESETS['paper'].train_preset}")
         print(
             f"# {PRESETS['paper'].description}\n# expected time: {PRESETS['paper'].budget}\n"
@@ -217,7 +238,12 @@ def cli(argv: list[str]) -> int:
         print("\n".join(paper_commands(PRESETS["paper"], runs)))
         return 0
     out = reproduce(
-        args.preset, args.runs_dir, args.reports_dir, overrides=overrides, jobs=args.jobs
+        args.preset,
+        args.runs_dir,
+        args.reports_dir,
+        overrides=overrides,
+        jobs=args.jobs,
+        smoke=args.smoke,
     )
     print((out / "REPORT.md").read_text())
     print(f"report: {out / 'REPORT.md'}")
