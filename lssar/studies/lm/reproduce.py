@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lssar import clihelp
 from lssar.ops.registry import get_variant
 from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, run_units, units_by_run
@@ -194,23 +195,32 @@ def reproduce(
     return out
 
 
-def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="lssar reproduce",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def parser() -> argparse.ArgumentParser:
+    """``lssar reproduce``'s options, each described (``lssar reproduce --help``)."""
+    presets = clihelp.entries([(k, f"{v.description} ({v.budget})") for k, v in PRESETS.items()])
+    ap = clihelp.parser(
+        "lssar reproduce",
+        __doc__,
+        epilog=f"presets:\n{presets}\n\nAny other --key=value is a training setting over the "
+        "preset's (lssar train --help lists them), e.g. --max_steps=100.",
     )
     ap.add_argument(
-        "--preset", default="quick", help=", ".join(f"{k} ({v.budget})" for k, v in PRESETS.items())
+        "--preset", default="quick", metavar=clihelp.one_of(PRESETS), help="what to run (see below)"
     )
-    ap.add_argument("--runs-dir", help="where the runs live (default runs/reproduce-PRESET)")
-    ap.add_argument("--reports-dir", default="reports")
+    ap.add_argument(
+        "--runs-dir",
+        help="where the runs live; none: runs/reproduce-<training preset> "
+        "(runs/reproduce-smoke-<training preset> with --smoke)",
+    )
+    ap.add_argument(
+        "--reports-dir", default="reports", help="where the report folder <preset>-<date> goes"
+    )
     ap.add_argument(
         "--jobs",
         type=int,
         default=1,
-        help="runs trained and evaluated at once, one thread each (default 1: one run at a "
-        "time with every thread); results do not depend on it beyond float summation order",
+        help="runs trained and evaluated at once, one thread each (1: one run at a time with "
+        "every thread); results do not depend on it beyond float summation order",
     )
     ap.add_argument(
         "--execute",
@@ -223,6 +233,11 @@ def cli(argv: list[str]) -> int:
         help="check that this install runs the preset: every arm for a few steps on few tokens, "
         "one seed (runs/reproduce-smoke-*, reports/PRESET-smoke-DATE); measures nothing",
     )
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    ap = parser()
     args, overrides = ap.parse_known_args(argv)
     get_preset(args.preset)  # an unknown name fails first
     if args.preset == "paper" and not args.execute:

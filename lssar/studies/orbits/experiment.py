@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lssar import clihelp
 from lssar.runio import environment, exclusive_lock, remove_stale_temps
 from lssar.studies.common import code_digest, run_units
 from lssar.studies.orbits import kepler, symreg
@@ -56,7 +57,10 @@ from lssar.studies.orbits.models import (
 )
 from lssar.studies.orbits.presets import (
     ARMS,
+    DATA_HELP,
     PRESETS,
+    SET_HELP,
+    SET_SKIP,
     Arm,
     Preset,
     check_arms,
@@ -446,40 +450,64 @@ def run_experiment(
     return {"report": report, "results": results, "computed": runner.computed, "seconds": seconds}
 
 
-def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="lssar orbits",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def parser() -> argparse.ArgumentParser:
+    """``lssar orbits``'s options and ``--set`` keys, each described (``lssar orbits --help``)."""
+    presets = clihelp.entries([(k, f"{v.description} ({v.budget})") for k, v in PRESETS.items()])
+    quick = PRESETS["quick"]
+    keys = clihelp.keys_help(
+        Preset, SET_HELP, quick, {"fmt": list(FORMATS)}, "{key}={value}", skip=SET_SKIP
+    )
+    data = clihelp.keys_help(
+        kepler.OrbitConfig,
+        DATA_HELP,
+        kepler.preset(quick.data_preset, **quick.data),
+        form="{key}={value}",
+        prefix="data.",
+    )
+    ap = clihelp.parser(
+        "lssar orbits",
+        __doc__,
+        epilog=f"presets:\n{presets}\n\nsettings for --set KEY=VALUE (defaults of the quick "
+        f"preset; tuples as Python literals):\n{keys}\n{data}",
     )
     ap.add_argument(
-        "--preset", default="quick", help="; ".join(f"{k}: {v.budget}" for k, v in PRESETS.items())
+        "--preset", default="quick", metavar=clihelp.one_of(PRESETS), help="what to run"
     )
-    ap.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
-    ap.add_argument("--seeds", help="comma-separated integers, e.g. 0,1,2")
-    ap.add_argument("--out", default=".", help="root of data/, runs/ and reports/ (default .)")
-    ap.add_argument("--format", choices=FORMATS, help="token format (default: the preset's)")
-    ap.add_argument("--sr-backend", default="auto", help="auto | pyoperon | gplearn | pysr")
+    ap.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}; none: the preset's")
+    ap.add_argument("--seeds", help="comma-separated integers, e.g. 0,1,2; none: the preset's")
+    ap.add_argument("--out", default=".", help="root of data/, runs/ and reports/")
+    ap.add_argument("--format", choices=FORMATS, help="token format; none: the preset's (data fmt)")
+    ap.add_argument(
+        "--sr-backend",
+        default="auto",
+        choices=["auto", *symreg.BACKENDS],
+        help="symbolic regression package (auto: the first installed)",
+    )
     ap.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads (default 1: these matrices are tiny, and one "
-        "thread does not collapse when the cores are shared)",
+        help="torch CPU threads (1: these matrices are tiny, and one thread does not collapse "
+        "when the cores are shared)",
     )
     ap.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a preset field (e.g. pretrain_steps=100, data.n_systems=500)",
+        help="override a preset field (listed below), e.g. pretrain_steps=100, data.n_systems=500",
     )
     ap.add_argument(
         "--jobs",
         type=int,
-        help="arm/seed runs in parallel processes (default: the preset's; cpu: 2)",
+        help="arm/seed runs in parallel processes; none: the preset's (cpu: 2)",
     )
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     overrides = parse_set(args.set)
     try:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lssar import clihelp
 from lssar.model import GPTConfig
 from lssar.runio import (
     atomic_write,
@@ -44,6 +45,9 @@ from lssar.studies.recall.presets import (
     ARMS,
     EVAL_SEED,
     PRESETS,
+    SET_HELP,
+    SET_SKIP,
+    TASK_HELP,
     StudyConfig,
     eval_label,
     eval_rules,
@@ -51,7 +55,7 @@ from lssar.studies.recall.presets import (
     preset_config,
     train_p,
 )
-from lssar.studies.recall.task import IGNORE
+from lssar.studies.recall.task import IGNORE, RecallTask
 from lssar.train.runs import file_sha256
 
 # what an evaluation's scores depend on besides the model and the settings
@@ -485,26 +489,41 @@ def run_pilot(
     return write_pilot(models, meta, out)
 
 
-def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="lssar recall",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def parser() -> argparse.ArgumentParser:
+    """``lssar recall``'s options and ``--set`` keys, each described (``lssar recall --help``)."""
+    presets = clihelp.entries([(k, f"{v.description} ({v.budget})") for k, v in PRESETS.items()])
+    base = StudyConfig()
+    keys = clihelp.keys_help(StudyConfig, SET_HELP, base, form="{key}={value}", skip=SET_SKIP)
+    task = clihelp.keys_help(
+        RecallTask, TASK_HELP, base.task, {"pair_order": ["kv", "vk"]}, "{key}={value}", "task."
+    )
+    ap = clihelp.parser(
+        "lssar recall",
+        __doc__,
+        epilog=f"presets:\n{presets}\n\nsettings for --set KEY=VALUE (defaults of the "
+        f"study; a preset sets some of its own):\n{keys}\n{task}",
     )
     ap.add_argument(
-        "--preset", default="quick", help=", ".join(f"{k} ({v.budget})" for k, v in PRESETS.items())
+        "--preset", default="quick", metavar=clihelp.one_of(PRESETS), help="what to run"
     )
-    ap.add_argument("--out", help="report directory (default reports/recall-PRESET-DATE)")
-    ap.add_argument("--runs", help="run directories (default runs/recall)")
-    ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(ARMS)}")
-    ap.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
-    ap.add_argument("--jobs", type=int, help="worker processes (default: the preset's)")
+    ap.add_argument(
+        "--out", help="report directory; none: reports/recall-PRESET-DATE (pilot-... with --pilot)"
+    )
+    ap.add_argument("--runs", help="where the run directories go; none: runs/recall")
+    ap.add_argument(
+        "--arms", help=f"comma-separated subset of: {', '.join(ARMS)}; none: the preset's"
+    )
+    ap.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2; none: the preset's")
+    ap.add_argument(
+        "--jobs", type=int, help="worker processes, one thread each; none: the preset's"
+    )
     ap.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a setting (e.g. steps=3000, token_shift=false, task.n_pairs=2)",
+        help="override a setting of the preset (listed below), e.g. steps=3000, "
+        "token_shift=false, task.n_pairs=2",
     )
     ap.add_argument(
         "--pilot",
@@ -512,7 +531,12 @@ def cli(argv: list[str]) -> int:
         help="train only and report training accuracy against step (PILOT.md): size a "
         "setting before studying it",
     )
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     over: dict[str, Any] = parse_set(args.set)
     if args.arms:
