@@ -22,7 +22,17 @@ LAYERS = [
     ("studies", ("lssar.studies",)),
     ("training", ("lssar.train",)),
     ("data", ("lssar.data",)),
-    ("model", ("lssar.model", "lssar.spec", "lssar.positions", "lssar.runio", "lssar.clihelp")),
+    (
+        "model",
+        (
+            "lssar.model",
+            "lssar.nn",
+            "lssar.spec",
+            "lssar.positions",
+            "lssar.runio",
+            "lssar.clihelp",
+        ),
+    ),
     ("ops", ("lssar.ops", "lssar")),  # lssar/__init__ re-exports the op layer only
 ]
 
