@@ -17,7 +17,7 @@ ROOT = Path(lssar.__file__).resolve().parent
 # A module's layer is the first of these prefixes its name starts with; it may import from its
 # own layer and the ones after it, never from one before it.
 LAYERS = [
-    ("cli", ("lssar.cli", "lssar.__main__")),
+    ("cli", ("lssar.cli", "lssar.__main__", "lssar.harness")),
     ("integrations", ("lssar.integrations", "lssar.hf")),
     ("studies", ("lssar.studies",)),
     ("training", ("lssar.train",)),
