@@ -90,6 +90,14 @@ def one_of(names: Sequence[str]) -> str:
     return "{" + ",".join(names) + "}"
 
 
+def add_preset(ap: argparse.ArgumentParser, presets: Mapping[str, Any]) -> str:
+    """Add ``--preset`` (default ``quick``) for ``presets`` (name -> an object with
+    ``description`` and ``budget``) to ``ap``; return the epilog's list of them."""
+    ap.add_argument("--preset", default="quick", metavar=one_of(list(presets)), help="what to run")
+    rows = [(name, f"{p.description} ({p.budget})") for name, p in presets.items()]
+    return f"presets:\n{entries(rows)}"
+
+
 def keys_help(
     cls: type,
     descriptions: Mapping[str, str],

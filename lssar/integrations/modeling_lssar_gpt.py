@@ -304,7 +304,6 @@ class Attention(nn.Module):
         y, _ = fn(self, q, k, v, attention_mask, dropout=dropout, scaling=None)
         return self.proj(y.reshape(b, t, c))
 
-
     def _attention_function(self) -> Any:
         """The function ``config._attn_implementation`` names, as stock models look it up.
 
@@ -317,7 +316,10 @@ class Attention(nn.Module):
         name, trained = self.config._attn_implementation, self.config.attn
         v = self.variant
         plain = (v["phi"], v["scaling"], v["qk_norm"], v["options"].get("p")) == (
-            "exp", "sdpa", False, None
+            "exp",
+            "sdpa",
+            False,
+            None,
         )
         if name in (None, "eager"):
             name = trained

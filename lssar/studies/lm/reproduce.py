@@ -197,15 +197,11 @@ def reproduce(
 
 def parser() -> argparse.ArgumentParser:
     """``lssar reproduce``'s options, each described (``lssar reproduce --help``)."""
-    presets = clihelp.entries([(k, f"{v.description} ({v.budget})") for k, v in PRESETS.items()])
-    ap = clihelp.parser(
-        "lssar reproduce",
-        __doc__,
-        epilog=f"presets:\n{presets}\n\nAny other --key=value is a training setting over the "
-        "preset's (lssar train --help lists them), e.g. --max_steps=100.",
-    )
-    ap.add_argument(
-        "--preset", default="quick", metavar=clihelp.one_of(PRESETS), help="what to run (see below)"
+    ap = clihelp.parser("lssar reproduce", __doc__)
+    presets = clihelp.add_preset(ap, PRESETS)
+    ap.epilog = (
+        f"{presets}\n\nAny other --key=value is a training setting over the "
+        "preset's (lssar train --help lists them), e.g. --max_steps=100."
     )
     ap.add_argument(
         "--runs-dir",

@@ -452,7 +452,6 @@ def run_experiment(
 
 def parser() -> argparse.ArgumentParser:
     """``lssar orbits``'s options and ``--set`` keys, each described (``lssar orbits --help``)."""
-    presets = clihelp.entries([(k, f"{v.description} ({v.budget})") for k, v in PRESETS.items()])
     quick = PRESETS["quick"]
     keys = clihelp.keys_help(
         Preset, SET_HELP, quick, {"fmt": list(FORMATS)}, "{key}={value}", skip=SET_SKIP
@@ -464,14 +463,11 @@ def parser() -> argparse.ArgumentParser:
         form="{key}={value}",
         prefix="data.",
     )
-    ap = clihelp.parser(
-        "lssar orbits",
-        __doc__,
-        epilog=f"presets:\n{presets}\n\nsettings for --set KEY=VALUE (defaults of the quick "
-        f"preset; tuples as Python literals):\n{keys}\n{data}",
-    )
-    ap.add_argument(
-        "--preset", default="quick", metavar=clihelp.one_of(PRESETS), help="what to run"
+    ap = clihelp.parser("lssar orbits", __doc__)
+    presets = clihelp.add_preset(ap, PRESETS)
+    ap.epilog = (
+        f"{presets}\n\nsettings for --set KEY=VALUE (defaults of the quick "
+        f"preset; tuples as Python literals):\n{keys}\n{data}"
     )
     ap.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}; none: the preset's")
     ap.add_argument("--seeds", help="comma-separated integers, e.g. 0,1,2; none: the preset's")

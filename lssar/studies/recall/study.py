@@ -491,20 +491,16 @@ def run_pilot(
 
 def parser() -> argparse.ArgumentParser:
     """``lssar recall``'s options and ``--set`` keys, each described (``lssar recall --help``)."""
-    presets = clihelp.entries([(k, f"{v.description} ({v.budget})") for k, v in PRESETS.items()])
     base = StudyConfig()
     keys = clihelp.keys_help(StudyConfig, SET_HELP, base, form="{key}={value}", skip=SET_SKIP)
     task = clihelp.keys_help(
         RecallTask, TASK_HELP, base.task, {"pair_order": ["kv", "vk"]}, "{key}={value}", "task."
     )
-    ap = clihelp.parser(
-        "lssar recall",
-        __doc__,
-        epilog=f"presets:\n{presets}\n\nsettings for --set KEY=VALUE (defaults of the "
-        f"study; a preset sets some of its own):\n{keys}\n{task}",
-    )
-    ap.add_argument(
-        "--preset", default="quick", metavar=clihelp.one_of(PRESETS), help="what to run"
+    ap = clihelp.parser("lssar recall", __doc__)
+    presets = clihelp.add_preset(ap, PRESETS)
+    ap.epilog = (
+        f"{presets}\n\nsettings for --set KEY=VALUE (defaults of the "
+        f"study; a preset sets some of its own):\n{keys}\n{task}"
     )
     ap.add_argument(
         "--out", help="report directory; none: reports/recall-PRESET-DATE (pilot-... with --pilot)"
