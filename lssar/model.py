@@ -35,7 +35,6 @@ from lssar.positions import (
     ROPE_SCALINGS,
     RopeScaling,
     alibi_slopes,
-    apply_rope,  # noqa: F401  (lssar.model.apply_rope, as before lssar.nn)
     check_pos,
     rope_cache,
 )

@@ -271,10 +271,6 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
 
-    @property
-    def dropout(self) -> float:
-        return self.core.dropout
-
     def forward(
         self,
         x: Tensor,

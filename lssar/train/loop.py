@@ -29,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from lssar import clihelp, data
-from lssar.clihelp import keys_help
 from lssar.model import GPT
 from lssar.runio import (
     LOCK_FILE,
@@ -464,7 +463,7 @@ def _train_locked(
 
 def train_cli(argv: list[str]) -> int:
     """``lssar train [--preset NAME] [--resume/--no-resume] [--key=value ...]``."""
-    keys = keys_help(TrainConfig, KEY_HELP, choices=key_choices(), skip=["preset"])
+    keys = clihelp.keys_help(TrainConfig, KEY_HELP, choices=key_choices(), skip=["preset"])
     ap = clihelp.parser(
         "lssar train",
         "Train a GPT (under torchrun: DDP). Config: defaults < preset < --key=value\n"
