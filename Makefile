@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow lint bench reproduce clean
+.PHONY: setup test test-slow lint docs bench reproduce clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,14 +29,19 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check lssar tests benchmarks
-	$(BIN)/ruff format --check lssar tests benchmarks
+	$(BIN)/ruff check lssar tests benchmarks examples
+	$(BIN)/ruff format --check lssar tests benchmarks examples
+
+# the documentation as a site, in site/ (docs/ reads as plain Markdown on GitHub too)
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
+# ARGS: more flags for the command, e.g. make reproduce ARGS=--jobs=2
 reproduce: $(STAMP)
-	$(BIN)/python -m lssar reproduce --preset quick
+	$(BIN)/python -m lssar reproduce --preset quick $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from lssar.train import train
 from lssar.train.config import load_config
 from lssar.train.runs import load_run
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(
     n_layer=2,
     n_head=2,
@@ -527,6 +529,11 @@ def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, c
     assert text.splitlines()[2].startswith("**Built from uncommitted code**: 1 of 2 results")
     assert "measured -3.700 -> **no interval**" in text and "With one seed there is no" in text
     assert "Multiple seeds" not in text and "-> **supported**" not in text
+    # what one seed can and cannot show, and links to the 3-seed reports the verdicts rest on
+    said = text.split("## What one seed can and cannot show")[1].split("\n## ")[0]
+    assert "cannot show that one arm is better" in said and "another machine" in said
+    target = re.search(r"\[`cpu-2026-12-03`\]\(([^)]+)\)", said)[1]
+    assert (tmp_path / "r" / target).resolve() == ROOT / "reports/cpu-2026-12-03/REPORT.md"
     clean_env["git_dirty"] = True  # a clean run, reported from a dirty checkout
     text = _report(tmp_path, [results[1]], name="d", preset="quick")
     assert (
@@ -631,6 +638,24 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
     assert "| softmax, sliding window 16 | 100.0 ± 0.0% (n=10) | 3.3 ± 14.3% (n=10) |" in text
     assert "- lssar p=15 vs the window control at 2x, key beyond L: **supported**" in text
     assert (tmp_path / "p" / "passkey.png").stat().st_size > 0
+
+
+def test_whole_command_progress_reads_the_runs_logs(tmp_path):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for r in runs:
+        r.mkdir()
+    (runs[0] / "log.jsonl").write_text('{"event": "train", "step": 50}\n')  # resumed from 50
+    progress = reproduce.CommandProgress(runs, steps_per_run=175)
+    assert progress.before == 50 and "time left: after the first logged steps" in progress.line()
+    progress.started -= 60.0  # a minute into the command
+    with (runs[0] / "log.jsonl").open("a") as f:
+        f.write('{"event": "train", "step": 150}\n{"event": "tr')  # a line being appended
+    line = progress.line()
+    assert line.startswith("[whole command] 150/350 training steps over 2 runs, 1.0 min elapsed")
+    assert line.endswith("about 2 min left")  # 200 steps at 100 steps a minute
+    for r in runs:
+        (r / "log.jsonl").write_text('{"event": "train", "step": 175}\n')
+    assert progress.line().endswith("training done, the last evaluations are running")
 
 
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):

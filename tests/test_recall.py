@@ -299,7 +299,7 @@ def test_parallel_jobs_give_the_same_rows(tmp_path):
     assert np.abs(acc1 - acc2).max() <= 1 / 6  # one flipped near-tie at most (threads differ)
 
 
-# ------------------------------------------------------------- files read back (issue #22)
+# ------------------------------------------------------------- files read back
 
 
 class _Planted:

@@ -1,6 +1,6 @@
 """Legal-but-awkward inputs, held to the same contract by every implementation.
 
-Each class below was once a crash or a silent wrong answer (issue #15): broadcast masks at every
+Each class below was once a crash or a silent wrong answer: broadcast masks at every
 block size, key-axis broadcasting in N_i, half precision, masks that only broadcast *with* the
 scores, NaN padding, degenerate sizes, extreme vector norms, underflowing rows, torch.func. The
 grid of (implementation, variant) pairs comes from the registry, so a new backend is tested too.
@@ -314,7 +314,7 @@ def test_ssmax_s_must_be_finite(s):
 @pytest.mark.parametrize(
     "impl,name,opts",
     # the Triton kernels form softplus in registers: the relative row there is a kernel change
-    # left for a GPU session (README, "Bad input"), so they are not held to this case yet
+    # left for a GPU session (docs/api.md, awkward inputs), so they are not held to this case yet
     [c for c in CASES if c.values[1] in ("softplus-l1", "sigmoid-l1") and c.values[0] != "triton"],
 )
 def test_underflowing_rows_are_normalised(impl, name, opts):

@@ -37,7 +37,7 @@ def test_labels_are_the_strings_reports_look_up():
     assert run_label(lssa, lssar15) == "lssa -> lssar p=15 (eval only)"
     assert run_label("lssa", "lssar p=15") == run_label(lssa, lssar15)
     assert run_label(lssa, lssa) == run_label("lssa") == "lssa"
-    # a RoPE scaling at evaluation, alone and with a switched rule (issue #24)
+    # a RoPE scaling at evaluation, alone and with a switched rule
     assert run_label("softmax", "softmax", "yarn auto") == "softmax -> yarn auto (eval only)"
     assert run_label(lssa, lssar15, "yarn x4") == "lssa -> lssar p=15 + yarn x4 (eval only)"
     # the claims of reproduce's report are found by these labels

@@ -1,4 +1,4 @@
-"""Reliability of training runs (issue #22): one trainer per run directory, torn logs, temp files
+"""Reliability of training runs: one trainer per run directory, torn logs, temp files
 of killed writers, a full disk, a loss that stops being finite, bad input refused before the run
 directory is written."""
 

@@ -12,7 +12,7 @@ Variant options come from the model config: ``config.lssar_p`` (re-weighting pow
 
 Masks: HF builds a boolean ``(B, 1, T_q, T_k)`` mask (``True`` = attend) that already holds
 causality, padding and the KV-cache offset, so ``N_i`` (the number of keys query ``i`` may attend
-to, METHOD.md section 2) comes from the real mask, never from the tensor length. A mask with no
+to, docs/method.md section 2) comes from the real mask, never from the tensor length. A mask with no
 padding whose cache is contiguous and whose rule is causal, a causal sliding window, packed
 sequences or both (:func:`lssar.integrations.packing.mask_rule`) is skipped (``None``): the
 attention function then passes the same rule to :func:`lssar.attention` as arguments, in O(T)

@@ -8,7 +8,7 @@ or no positions), with the same parameter names, and an attention layer that dis
 ``transformers.AttentionInterface`` as stock models do: the function registered under
 ``config._attn_implementation`` (lssar's fast kernels after ``lssar.integrations.hf.register()``,
 under the variant's name), else the materialised reference below, which computes the variant
-from its definition stored in ``config.lssar_variant`` (METHOD.md's two stages: a normaliser
+from its definition stored in ``config.lssar_variant`` (docs/method.md sections 3-4: a normaliser
 ``phi`` with an optional l1 normalisation and row scale, then re-weighting with power ``p``).
 Its outputs equal lssar's GPT to float rounding (``tests/test_hf.py``).
 

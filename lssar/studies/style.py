@@ -51,7 +51,7 @@ COLOURS = {
     "lssar p=3": "#e377c2",
     LSSAR15: "#d62728",
     **{f"lssa -> lssar p={p} (eval only)": c for p, c in _REWEIGHT.items()},
-    # the practitioner's alternatives (issue #24): positions trained in, RoPE rescaled at eval
+    # the practitioner's alternatives: positions trained in, RoPE rescaled at eval
     "softmax + alibi": "#e6550d",
     "softmax + nope": "#636363",
     "lssar p=15 + nope": "#ff9896",

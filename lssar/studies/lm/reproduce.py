@@ -9,12 +9,17 @@ generated from the run directories by :mod:`lssar.studies.lm.report`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from lssar import clihelp
 from lssar.ops.registry import get_variant
@@ -39,6 +44,64 @@ def _run_name(preset: str, arm: Arm, seed: int) -> str:
     window control, its RoPE scalings) share one; RoPE runs keep their earlier names."""
     pos = "" if arm.pos == "rope" else f"-{arm.pos}"
     return f"{preset}-{arm.attention.slug()}{pos}-s{seed}"
+
+
+def _steps_done(run: Path) -> int:
+    """The last training step ``run/log.jsonl`` records (0 before the first). Read while the run
+    trains, so a line being appended is skipped, not reported."""
+    try:
+        lines = (run / "log.jsonl").read_bytes().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            return rec["step"]
+    return 0
+
+
+class CommandProgress:
+    """Every ``every`` seconds, one line for the whole command: training steps done over all its
+    runs, time elapsed, and about how long is left at the rate of the steps done so far
+    (evaluations included, since they take their share of the elapsed time). Reads each run's
+    ``log.jsonl``, so it works alike with ``--jobs``."""
+
+    def __init__(self, runs: list[Path], steps_per_run: int, every: float = 30.0) -> None:
+        self.runs, self.total, self.every = runs, steps_per_run * len(runs), every
+        self.before = self.done()  # finished or resumed work is not this invocation's rate
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def done(self) -> int:
+        return sum(_steps_done(r) for r in self.runs)
+
+    def line(self) -> str:
+        done, elapsed = self.done(), time.time() - self.started
+        head = f"[whole command] {done:,}/{self.total:,} training steps over {len(self.runs)} runs"
+        head += f", {elapsed / 60:.1f} min elapsed"
+        new = done - self.before
+        if done >= self.total:
+            return head + "; training done, the last evaluations are running"
+        if new <= 0:
+            return head + "; time left: after the first logged steps"
+        left = (self.total - done) * elapsed / new / 60
+        return head + f", about {left:.0f} min left"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            tqdm.write(self.line(), file=sys.stderr)
+
+    def __enter__(self) -> CommandProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
@@ -180,7 +243,21 @@ def reproduce(
         (preset_name, arms, seed, runs_dir, list(overrides or []), progress and jobs == 1, smoke)
         for seed, arms in groups
     ]
-    done = run_units(_train_and_evaluate, units, jobs)
+    from lssar.train.config import load_config, parse_overrides
+
+    given = {**preset.train, **parse_overrides(list(overrides or []))}
+    steps = load_config(preset.train_preset, given).max_steps
+    runs = [runs_dir / _run_name(preset.train_preset, ARMS[arms[0]], s) for s, arms in groups]
+    tell = progress and int(os.environ.get("RANK", "0")) == 0
+    if tell:
+        print(
+            f"lssar reproduce --preset {preset_name}: {len(runs)} training runs of {steps} steps "
+            f"and their evaluations ({preset.budget or 'no estimate'}); a [whole command] line "
+            "every 30 s says how long is left",
+            flush=True,
+        )
+    with CommandProgress(runs, steps) if tell else contextlib.nullcontext():
+        done = run_units(_train_and_evaluate, units, jobs)
     by_arm = {
         (seed, a): rs for (seed, arms), per_arm in zip(groups, done) for a, rs in zip(arms, per_arm)
     }

@@ -335,10 +335,10 @@ def write_report(
         "",
         "## Claim under test",
         "",
-        "Paper v5 (METHOD.md §7, after Vafa et al. 2025): a GPT pretrained on planetary "
-        "trajectories and fine-tuned to predict forces yields, through symbolic regression on "
-        "its predictions, Newton's F ∝ m1·m2/r² with LSSAR, and physically meaningless "
-        "formulas with softmax.",
+        "Paper v5 (docs/method.md section 7, after Vafa et al. 2025): a GPT pretrained on "
+        "planetary trajectories and fine-tuned to predict forces yields, through symbolic "
+        "regression on its predictions, Newton's F ∝ m1·m2/r² with LSSAR, and physically "
+        "meaningless formulas with softmax.",
         "",
         v["text"],
         "",

@@ -36,7 +36,7 @@ ARMS = arm_table(
     Arm("lssar p=15", AttentionSpec("lssar", {"p": 15.0})),
     Arm("lssar p=3", AttentionSpec("lssar", {"p": 3.0})),
     Arm("window", AttentionSpec("softmax"), window=True),
-    # the practitioner's alternatives (issue #24): positions trained in, and RoPE rescaled at
+    # the practitioner's alternatives: positions trained in, and RoPE rescaled at
     # evaluation only (factor = the length multiple) on the softmax runs
     Arm("softmax + alibi", AttentionSpec("softmax"), pos="alibi"),
     Arm("softmax + nope", AttentionSpec("softmax"), pos="nope"),
@@ -51,7 +51,7 @@ ARMS = arm_table(
         for kind in ROPE_SCALINGS
     ),
 )
-PAPER_ARMS = tuple(list(ARMS)[:7])  # the arms of the cpu preset before issue #24
+PAPER_ARMS = tuple(list(ARMS)[:7])  # the paper's arms and the window control
 ALTERNATIVE_ARMS = tuple(list(ARMS)[7:])
 
 

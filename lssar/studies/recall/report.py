@@ -15,7 +15,7 @@ from lssar.studies.recall.plots import plot_accuracy, plot_attention_maps
 from lssar.studies.recall.presets import ARMS, EVAL_PS, eval_label
 from lssar.studies.stats import mean_ci, verdict
 
-# the practitioner's alternatives (issue #24), as row labels: trained arms and eval-only rules
+# the practitioner's alternatives, as row labels: trained arms and eval-only rules
 ALTERNATIVES = [
     label
     for a in ARMS.values()
