@@ -26,17 +26,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sample": ("lssar.train:sample_cli", "generate text from a run: lssar sample RUN --prompt"),
     "eval": ("lssar.studies.lm.evaluate:cli", "loss vs length, passkey, diagnostics for a run"),
     "reproduce": (
-        "lssar.studies.lm.reproduce:cli",
+        "lssar.studies.lm.study:cli",
         "train + evaluate every variant, write a report",
     ),
-    "orbits": ("lssar.studies.orbits.experiment:cli", "the orbital world-model experiment"),
+    "orbits": ("lssar.studies.orbits.study:cli", "the orbital world-model experiment"),
     "lm-eval": ("lssar.integrations.hf:lm_eval_cli", "lm-evaluation-harness on a run's checkpoint"),
     "export-hf": (
         "lssar.integrations.hf:export_cli",
         "save a run as a transformers model directory",
     ),
+    "convert": (
+        "lssar.integrations.finetune:convert_cli",
+        "save a pretrained model (a .gguf dequantised) as an HF directory",
+    ),
+    "finetune": (
+        "lssar.integrations.finetune:cli",
+        "convert a pretrained HF model to lssar attention by fine-tuning",
+    ),
+    "convert-study": (
+        "lssar.studies.convert.study:cli",
+        "convert a pretrained model to each rule, evaluate at length, report",
+    ),
     "recall": (
-        "lssar.studies.recall:cli",
+        "lssar.studies.recall.study:cli",
         "associative-recall length study: lssar recall --preset quick",
     ),
 }

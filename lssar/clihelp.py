@@ -94,7 +94,10 @@ def add_preset(ap: argparse.ArgumentParser, presets: Mapping[str, Any]) -> str:
     """Add ``--preset`` (default ``quick``) for ``presets`` (name -> an object with
     ``description`` and ``budget``) to ``ap``; return the epilog's list of them."""
     ap.add_argument("--preset", default="quick", metavar=one_of(list(presets)), help="what to run")
-    rows = [(name, f"{p.description} ({p.budget})") for name, p in presets.items()]
+    rows = [
+        (n, f"{p.description} ({p.budget})" if p.budget else p.description)
+        for n, p in presets.items()
+    ]
     return f"presets:\n{entries(rows)}"
 
 

@@ -15,9 +15,11 @@ from lssar.cli import main as cli_main
 from lssar.data import passkey
 from lssar.ops.variants import VARIANTS
 from lssar.spec import AttentionSpec
-from lssar.studies.lm import evaluate, presets, reproduce
+from lssar.studies import common
+from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import passkey as pk
 from lssar.studies.lm import report as reproduce_report
+from lssar.studies.lm import study as lm_study
 from lssar.train import train
 from lssar.train.config import load_config
 from lssar.train.runs import load_run
@@ -645,7 +647,7 @@ def test_whole_command_progress_reads_the_runs_logs(tmp_path):
     for r in runs:
         r.mkdir()
     (runs[0] / "log.jsonl").write_text('{"event": "train", "step": 50}\n')  # resumed from 50
-    progress = reproduce.CommandProgress(runs, steps_per_run=175)
+    progress = lm_study.CommandProgress(runs, steps_per_run=175)
     assert progress.before == 50 and "time left: after the first logged steps" in progress.line()
     progress.started -= 60.0  # a minute into the command
     with (runs[0] / "log.jsonl").open("a") as f:
@@ -689,10 +691,10 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     data_dir = load_run(runs["softmax"])[2]["data_dir"]
     shrink = [f"{k}={v}" for k, v in TINY.items() if k not in ("seq_len", "eval_tokens")]
     overrides = [*shrink, "seq_len=96", "eval_tokens=192", "max_steps=3", f"data_dir={data_dir}"]
-    kw = dict(runs_dir=tmp_path / "runs", reports_dir=tmp_path / "reports", progress=False)
-    out = reproduce.reproduce("tiny", overrides=overrides, **kw)
+    kw = dict(runs=tmp_path / "runs", out=tmp_path / "reports" / "tiny", progress=False)
+    out = lm_study.run_study("tiny", overrides=overrides, **kw)
     text = (out / "REPORT.md").read_text()
-    assert out.name.startswith("tiny-") and text.splitlines()[2].startswith(("Built", "**Built"))
+    assert out == kw["out"] and text.splitlines()[2].startswith(("Built", "**Built"))
     for label in (
         "softmax",
         "softmax, sliding window 96",
@@ -734,7 +736,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
     assert len(stamps) == 18  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
     assert all(p.parent.parent.name == "tiny" for p in stamps)
-    again = reproduce.reproduce("tiny", overrides=overrides, **kw)
+    again = lm_study.run_study("tiny", overrides=overrides, **kw)
     assert (again / "REPORT.md").exists()
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
 
@@ -746,30 +748,30 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
 
     def fake_units(fn, units, jobs=1, on_done=None):
         seen["jobs"], seen["units"] = jobs, units
-        return [[[{"arm": a, "seed": u[2]}] for a in u[1]] for u in units]
+        return [[[{"arm": a, "seed": u[3]}] for a in u[2]] for u in units]
 
     def fake_report(name, preset, results, out, seconds):
         seen["results"] = results
         return out
 
-    monkeypatch.setattr(reproduce, "run_units", fake_units)
-    monkeypatch.setattr(reproduce, "write_report", fake_report)
-    reproduce.reproduce("cpu-baselines", tmp_path / "runs", tmp_path / "rep", jobs=2)
+    monkeypatch.setattr(common, "run_units", fake_units)
+    monkeypatch.setattr(reproduce_report, "write_report", fake_report)
+    lm_study.run_study("cpu-baselines", tmp_path / "runs", tmp_path / "rep", jobs=2)
     preset = presets.PRESETS["cpu-baselines"]
     assert seen["jobs"] == 2
-    groups = [(u[2], u[1]) for u in seen["units"]]
+    groups = [(u[3], u[2]) for u in seen["units"]]
     roped = ("softmax", *(a for a in preset.arms if a.startswith("softmax -> ")))
     assert groups[0] == (0, roped) and len(groups) == 5 * 3  # 5 runs per seed
-    names = [reproduce._run_name("tiny-cpu", presets.ARMS[a[0]], s) for s, a in groups]
+    names = [lm_study._run_name("tiny-cpu", presets.ARMS[a[0]], s) for s, a in groups]
     assert len(set(names)) == len(names)
     assert [(r["seed"], r["arm"]) for r in seen["results"]] == [
         (s, a) for s in preset.seeds for a in preset.arms
     ]
     with pytest.raises(ValueError, match="--jobs 0"):
-        reproduce.reproduce("quick", tmp_path / "runs", jobs=0)
+        lm_study.run_study("quick", tmp_path / "runs", jobs=0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="under torchrun"):
-        reproduce.reproduce("quick", tmp_path / "runs", jobs=2)
+        lm_study.run_study("quick", tmp_path / "runs", jobs=2)
 
 
 def test_reproduce_smoke_is_a_small_copy_of_the_preset_kept_apart(tmp_path, monkeypatch):
@@ -792,22 +794,22 @@ def test_reproduce_smoke_is_a_small_copy_of_the_preset_kept_apart(tmp_path, monk
 
     def fake_units(fn, units, jobs=1, on_done=None):
         seen["units"] = units
-        return [[[{"arm": a}] for a in u[1]] for u in units]
+        return [[[{"arm": a}] for a in u[2]] for u in units]
 
     def fake_report(name, preset, results, out, seconds):
         seen["report"] = (name, preset, out)
         return out
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(reproduce, "run_units", fake_units)
-    monkeypatch.setattr(reproduce, "write_report", fake_report)
-    out = reproduce.reproduce("quick", smoke=True)
-    assert all(
-        u[3] == Path("runs/reproduce-smoke-tiny-cpu") and u[-1] is True for u in seen["units"]
-    )
+    monkeypatch.setattr(common, "run_units", fake_units)
+    monkeypatch.setattr(reproduce_report, "write_report", fake_report)
+    out = lm_study.run_study("quick", progress=False, smoke=True)
+    assert {(u[1], u[4]) for u in seen["units"]} == {
+        ("smoke", Path("runs/reproduce-smoke-tiny-cpu"))
+    }
     name, preset, where = seen["report"]
     assert name == "quick --smoke" and preset.seeds == [0] and out == where
-    assert out.name.startswith("quick-smoke-")
+    assert out.parent == Path("reports") and out.name.startswith("quick-smoke-")
 
     # each unit trains with the smoke settings under the command line's overrides
     trained: dict = {}
@@ -821,9 +823,9 @@ def test_reproduce_smoke_is_a_small_copy_of_the_preset_kept_apart(tmp_path, monk
         return {}
 
     monkeypatch.setattr("lssar.train.train", fake_train)
-    monkeypatch.setattr(reproduce, "evaluate_run", fake_eval)
+    monkeypatch.setattr(lm_study, "evaluate_run", fake_eval)
     unit = seen["units"][0]
-    reproduce._train_and_evaluate(*unit[:4], ["max_steps=2"], False, True)
+    lm_study._train_and_evaluate(*unit[:5], ["max_steps=2"], False)
     cfg = trained["cfg"]
     assert (cfg.max_steps, cfg.batch_size, cfg.eval_tokens, cfg.seed) == (2, 4, 256, 0)
     assert {e["folder"] for e in trained["evals"]} == {"smoke"}

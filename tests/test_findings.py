@@ -17,7 +17,7 @@ from lssar.studies.findings import (
     main,
     project_root,
 )
-from lssar.studies.lm.figures import label_of
+from lssar.studies.labels import label_of
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = "reports/cpu-baselines-2026-12-03"

@@ -13,13 +13,15 @@ from lssar.cli import main as cli_main
 from lssar.integrations.lm_eval import LssarLM
 from lssar.model import GPT, GPTConfig
 from lssar.positions import RopeScaling
-from lssar.spec import AttentionSpec, run_label
+from lssar.spec import AttentionSpec
+from lssar.studies.labels import run_label
 from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import report as reproduce_report
 from lssar.studies.lm.presets import SOFTMAX
 from lssar.train import sample_cli
+from lssar.train.checkpoint import save_checkpoint
 from lssar.train.config import TrainConfig, model_config
-from lssar.train.runs import load_run, save_checkpoint
+from lssar.train.runs import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

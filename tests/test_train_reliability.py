@@ -18,8 +18,8 @@ from lssar.cli import main
 from lssar.runio import LOCK_FILE, DiskFullError, LockedError
 from lssar.train import loop as train_loop
 from lssar.train import train
+from lssar.train.checkpoint import load_checkpoint, read_log
 from lssar.train.loop import DivergedError
-from lssar.train.runs import load_checkpoint, read_log
 from tests.test_runio import lock_held_elsewhere
 from tests.test_train import TINY, log_of, tiny
 

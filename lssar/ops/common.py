@@ -56,7 +56,11 @@ def check_inputs(
             )
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
-    if not (query.dtype == key.dtype == value.dtype):
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    # under autocast mixed inputs are legal, as for SDPA: attention() casts them all to
+    # autocast's dtype (HF models feed float32 rotated q, k beside a bf16 v); float64 is never cast
+    mixed_ok = autocast_dtype(query.device.type) is not None and torch.float64 not in dtypes
+    if len(set(dtypes)) > 1 and not mixed_ok:
         raise ValueError(
             f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
         )

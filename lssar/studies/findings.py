@@ -101,7 +101,7 @@ def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> di
             if r["arm"] == arm and r["length_multiple"] == m and r["distance"] == (dist or "all")
         }
     else:
-        from lssar.studies.lm.figures import label_of
+        from lssar.studies.labels import label_of
 
         out = {}
         for r in data["results"]:
@@ -151,7 +151,7 @@ def claim_verdict(report: Path, prefix: str) -> tuple[str, bool]:
     """(verdict after Holm, whether it is an equivalence claim) of the declared claim of the LM
     report whose text starts with ``prefix``, recomputed from its results.json as the report
     does."""
-    from lssar.studies.lm.figures import group
+    from lssar.studies.labels import group
     from lssar.studies.lm.verdicts import declared_claims, losses_of
     from lssar.studies.stats import judge_claims
 

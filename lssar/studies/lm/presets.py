@@ -4,7 +4,7 @@ report :mod:`.report`).
 
 An arm's name is its trained rule's label (``"lssar p=15"``, ``"softmax + alibi"``); the
 evaluation results, and so the report's rows, carry the label
-:func:`lssar.studies.lm.figures.label_of` gives them (``"softmax, sliding window 128"``,
+:func:`lssar.studies.labels.label_of` gives them (``"softmax, sliding window 128"``,
 ``"lssa -> lssar p=15 (eval only)"``, ``"softmax -> yarn auto (eval only)"``).
 """
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
-from lssar.spec import AttentionSpec, run_label
+from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, EvalRule, arm_table, select_arms
+from lssar.studies.labels import run_label
 from lssar.studies.lm.passkey import PasskeySettings
 
 SOFTMAX, SIGMOID, RELU = AttentionSpec("softmax"), AttentionSpec("sigmoid"), AttentionSpec("relu")
@@ -25,7 +26,7 @@ LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p
 QKNORM, SSMAX = AttentionSpec("softmax-qknorm-logn"), AttentionSpec("ssmax")
 # the decomposition of softmax-qknorm-logn and LSSA: each differs from a neighbour in
 # one thing. The constant-scale variants freeze ln d ln n at n = the training length: the runner
-# sets n from the run's seq_len (:func:`lssar.studies.lm.reproduce.at_training_length`), so
+# sets n from the run's seq_len (:func:`lssar.studies.lm.study.at_training_length`), so
 # their trained labels read "softmax-qknorm-const n=128"
 QK_CONST = AttentionSpec("softmax-qknorm-const")
 QK_LEARNED = AttentionSpec("softmax-qknorm-learned")

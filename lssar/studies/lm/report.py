@@ -10,7 +10,6 @@ diagnostics and passkey sections, provenance.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from lssar.runio import environment
-from lssar.studies.common import conditions, provenance_head
+from lssar.studies.common import conditions, environment_section, provenance_head
 from lssar.studies.common import write_report as write_files
-from lssar.studies.lm.figures import group, normalised, plot_results
+from lssar.studies.labels import group
+from lssar.studies.lm.figures import normalised, plot_results
 from lssar.studies.lm.presets import (
     LSSA,
     LSSAR3,
@@ -424,12 +424,7 @@ def write_report(
         "",
         *prov_rows,
         "",
-        "This invocation's environment:",
-        "",
-        "```",
-        json.dumps(env, indent=1),
-        "```",
-        "",
+        *environment_section(env, "This invocation's environment:"),
     ]
     out.mkdir(parents=True, exist_ok=True)
     plot_results(results, out)

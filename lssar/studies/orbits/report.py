@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from lssar.studies.common import provenance_head
+from lssar.studies.common import environment_section, provenance_head
 from lssar.studies.common import write_report as write_files
 from lssar.studies.orbits.ceiling import ERRORS, EXPONENTS, TARGET
 from lssar.studies.orbits.judging import (
@@ -372,12 +372,7 @@ def write_report(
         "",
         *[f"![{n}]({n})" for n in plots],
         "",
-        "## Environment",
-        "",
-        "```",
-        json.dumps(env, indent=1),
-        "```",
-        "",
+        *environment_section(env),
     ]
     summary = {}
     for arm, runs in by_seed(results).items():

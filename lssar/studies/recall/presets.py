@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
+from lssar.positions import ROPE_SCALINGS, RopeScaling
 from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, EvalRule, arm_table, select_arms
 from lssar.studies.recall.task import RecallTask
@@ -78,16 +78,6 @@ def eval_rules(arm: Arm, ps: tuple[float, ...] | None = None) -> list[EvalRule]:
         rules = [r for r in rules if not _reweights(r)]
         rules = [EvalRule(AttentionSpec("lssar", {"p": p})) for p in ps] + rules
     return rules
-
-
-def eval_label(arm: Arm, rule: EvalRule | float | None) -> str:
-    """Row label: the arm, ``lssa -> lssar p=X (eval)`` for an eval-only re-weighting (``rule``
-    may be that p), ``softmax -> yarn auto (eval)`` for a RoPE scaling."""
-    if rule is None:
-        return arm.name
-    if not isinstance(rule, EvalRule):
-        rule = EvalRule(AttentionSpec("lssar", {"p": float(rule)}))
-    return f"{with_pos(arm.attention.label, arm.pos)} -> {rule.label} (eval)"
 
 
 @dataclass(frozen=True)

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from lssar import clihelp
 from lssar.ops.registry import get_variant
 from lssar.spec import AttentionSpec
-from lssar.studies.common import Arm, run_units, units_by_run
+from lssar.studies.common import Arm, Study, select_arms, study_args, study_parser, units_by_run
+from lssar.studies.lm import report
 from lssar.studies.lm.evaluate import evaluate_run
 from lssar.studies.lm.presets import ARMS, PRESETS, Preset, get_preset
-from lssar.studies.lm.report import write_report
 
 
 def at_training_length(spec: AttentionSpec, seq_len: int) -> AttentionSpec:
@@ -130,26 +131,19 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
 
 
 def evaluate_arm(
-    preset_name: str,
-    arm: Arm,
-    run: Path,
-    train_len: int,
-    progress: bool = True,
-    smoke: bool = False,
+    preset: Preset, folder: str, arm: Arm, run: Path, train_len: int, progress: bool = True
 ) -> list[dict[str, Any]]:
     """The evaluations of one trained run for ``arm``: its own rule, or the sliding window of
     the training length for the window control (with passkey if ``arm`` is one of the preset's
     passkey arms; none for an arm of eval-only rules), then the arm's eval-only rules (the
     paper's fine-tuning-free re-weighting, the RoPE scalings). They go to
     ``RUN/eval/<folder>/`` (the preset's name unless it shares another's): presets that share a
-    training run (quick and cpu) keep their own evaluations. ``smoke``: the preset's
-    :func:`~lssar.studies.lm.presets.smoke` test."""
-    preset = get_preset(preset_name, smoke)
+    training run (quick and cpu) keep their own evaluations."""
     kw = dict(
         multiples=preset.multiples,
         eval_tokens=preset.eval_tokens,
         progress=progress,
-        folder=preset.eval_folder or preset_name,
+        folder=folder,
     )
     pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
     out = []
@@ -174,13 +168,13 @@ def evaluate_arm(
 
 
 def _train_and_evaluate(
-    preset_name: str,
+    preset: Preset,
+    folder: str,
     arm_names: tuple[str, ...],
     seed: int,
-    runs_dir: Path,
+    runs: Path,
     overrides: list[str],
     progress: bool,
-    smoke: bool = False,
 ) -> list[list[dict[str, Any]]]:
     """One training run and the arms evaluated on it (softmax, its window control and its RoPE
     scalings share one): train (or reuse, or resume) the run once, then evaluate each arm (rank
@@ -188,9 +182,9 @@ def _train_and_evaluate(
     from lssar.train import train
     from lssar.train.config import load_config, parse_overrides
 
-    preset, arm = get_preset(preset_name, smoke), ARMS[arm_names[0]]
-    seq_len = load_config(preset.train_preset, {**preset.train, **parse_overrides(overrides)})
-    seq_len = seq_len.seq_len
+    arm = ARMS[arm_names[0]]
+    given = {**preset.train, **parse_overrides(overrides)}
+    seq_len = load_config(preset.train_preset, given).seq_len
     cfg = load_config(
         preset.train_preset,
         {
@@ -198,7 +192,7 @@ def _train_and_evaluate(
             **at_training_length(arm.attention, seq_len).to_train(),
             "pos": arm.pos,
             "seed": seed,
-            "out_dir": str(runs_dir),
+            "out_dir": str(runs),
             "run_name": _run_name(preset.train_preset, arm, seed),
             **parse_overrides(overrides),
         },
@@ -207,21 +201,59 @@ def _train_and_evaluate(
     run = train(cfg, resume=True, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
         return [[] for _ in arm_names]
-    return [
-        evaluate_arm(preset_name, ARMS[a], run, cfg.seq_len, progress, smoke) for a in arm_names
-    ]
+    return [evaluate_arm(preset, folder, ARMS[a], run, cfg.seq_len, progress) for a in arm_names]
 
 
-def reproduce(
+@dataclass
+class LMStudy(Study):
+    """``lssar reproduce``: one unit per training run (its arms, its seed), each trained with
+    :func:`lssar.train.train` and evaluated with :func:`lssar.studies.lm.evaluate.evaluate_run`;
+    the report reads the results in (seed, arm) order, whatever the grouping or the workers."""
+
+    name: str
+    preset: Preset
+    runs: Path
+    out: Path
+    overrides: list[str]
+    progress: bool
+
+    def units(self) -> list[tuple[Any, ...]]:
+        p = self.preset
+        groups = units_by_run(p.arms, p.seeds, lambda a, s: _run_name(p.train_preset, ARMS[a], s))
+        folder = p.eval_folder or self.name
+        return [
+            (p, folder, arms, seed, self.runs, self.overrides, self.progress)
+            for seed, arms in groups
+        ]
+
+    def run_unit(self, *unit: Any) -> list[list[dict[str, Any]]]:
+        return _train_and_evaluate(*unit)
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        by_arm = {}  # (seed, arm) -> its results
+        for (_, _, arms, seed, *_), per_arm in zip(self.units(), results):
+            by_arm.update({(seed, a): rs for a, rs in zip(arms, per_arm)})
+        flat = [
+            r for seed in self.preset.seeds for a in self.preset.arms for r in by_arm[(seed, a)]
+        ]
+        if int(os.environ.get("RANK", "0")) != 0:
+            return self.out
+        return report.write_report(self.name, self.preset, flat, self.out, seconds)
+
+
+def run_study(
     preset_name: str,
-    runs_dir: str | Path | None = None,
-    reports_dir: str | Path = "reports",
+    runs: str | Path | None = None,
+    out: str | Path | None = None,
     progress: bool = True,
     overrides: list[str] | None = None,
     jobs: int = 1,
+    arms: list[str] | None = None,
+    seeds: list[int] | None = None,
     smoke: bool = False,
 ) -> Path:
-    """Train + evaluate every arm of ``preset_name``; returns the report directory.
+    """Train + evaluate every arm of ``preset_name`` (or ``arms``, ``seeds``); returns the
+    report directory (``out``, default ``reports/<preset>-<date>``).
 
     ``jobs > 1`` trains and evaluates that many runs at once, in worker processes of one torch
     thread each (not under torchrun, whose ranks train each run together). ``smoke``: the
@@ -232,69 +264,48 @@ def reproduce(
         raise ValueError(f"--jobs {jobs}: need at least 1 worker")
     if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(f"--jobs {jobs} under torchrun: the ranks already share each run; drop it")
-    # Runs are named by the training preset, so presets that share it (quick, cpu) share runs.
+    if arms is not None or seeds is not None:
+        preset = dataclasses.replace(
+            preset,
+            arms=select_arms(ARMS, arms) if arms is not None else preset.arms,
+            seeds=list(seeds) if seeds is not None else preset.seeds,
+        )
+    # Runs are named by the training preset, so presets that share it (quick, cpu) share runs;
+    # a smoke test's live apart.
     kind = "smoke-" if smoke else ""
-    runs_dir = Path(runs_dir or f"runs/reproduce-{kind}{preset.train_preset}")
-    started = time.time()
-    groups = units_by_run(
-        preset.arms, preset.seeds, lambda a, s: _run_name(preset.train_preset, ARMS[a], s)
-    )
-    units = [
-        (preset_name, arms, seed, runs_dir, list(overrides or []), progress and jobs == 1, smoke)
-        for seed, arms in groups
-    ]
+    runs = Path(runs or f"runs/reproduce-{kind}{preset.train_preset}")
+    out = Path(out or f"reports/{preset_name}-{kind}{dt.date.today().isoformat()}")
+    name = f"{preset_name} --smoke" if smoke else preset_name
+    study = LMStudy(name, preset, runs, out, list(overrides or []), progress and jobs == 1)
     from lssar.train.config import load_config, parse_overrides
 
     given = {**preset.train, **parse_overrides(list(overrides or []))}
     steps = load_config(preset.train_preset, given).max_steps
-    runs = [runs_dir / _run_name(preset.train_preset, ARMS[arms[0]], s) for s, arms in groups]
+    run_dirs = [runs / _run_name(preset.train_preset, ARMS[u[2][0]], u[3]) for u in study.units()]
     tell = progress and int(os.environ.get("RANK", "0")) == 0
     if tell:
         print(
-            f"lssar reproduce --preset {preset_name}: {len(runs)} training runs of {steps} steps "
-            f"and their evaluations ({preset.budget or 'no estimate'}); a [whole command] line "
-            "every 30 s says how long is left",
+            f"lssar reproduce --preset {name}: {len(run_dirs)} training runs of {steps} "
+            f"steps and their evaluations ({preset.budget or 'no estimate'}); a [whole command] "
+            "line every 30 s says how long is left",
             flush=True,
         )
-    with CommandProgress(runs, steps) if tell else contextlib.nullcontext():
-        done = run_units(_train_and_evaluate, units, jobs)
-    by_arm = {
-        (seed, a): rs for (seed, arms), per_arm in zip(groups, done) for a, rs in zip(arms, per_arm)
-    }
-    # the report reads the results in (seed, arm) order, whatever the grouping or the workers
-    results = [r for seed in preset.seeds for a in preset.arms for r in by_arm[(seed, a)]]
-    if int(os.environ.get("RANK", "0")) != 0:
-        return Path(reports_dir)
-    stamp = dt.date.today().isoformat()
-    out = Path(reports_dir) / f"{preset_name}-{kind}{stamp}"
-    name = f"{preset_name} --smoke" if smoke else preset_name
-    write_report(name, preset, results, out, time.time() - started)
-    return out
+    with CommandProgress(run_dirs, steps) if tell else contextlib.nullcontext():
+        return study.run(jobs).report
 
 
 def parser() -> argparse.ArgumentParser:
     """``lssar reproduce``'s options, each described (``lssar reproduce --help``)."""
-    ap = clihelp.parser("lssar reproduce", __doc__)
-    presets = clihelp.add_preset(ap, PRESETS)
-    ap.epilog = (
-        f"{presets}\n\nAny other --key=value is a training setting over the "
-        "preset's (lssar train --help lists them), e.g. --max_steps=100."
+    ap = study_parser(
+        "lssar reproduce",
+        __doc__,
+        PRESETS,
+        ARMS,
+        runs="runs/reproduce-TRAIN_PRESET (runs/reproduce-smoke-TRAIN_PRESET with --smoke)",
+        out="reports/PRESET-DATE (reports/PRESET-smoke-DATE with --smoke)",
+        renamed={"--runs-dir": "--runs"},
     )
-    ap.add_argument(
-        "--runs-dir",
-        help="where the runs live; none: runs/reproduce-<training preset> "
-        "(runs/reproduce-smoke-<training preset> with --smoke)",
-    )
-    ap.add_argument(
-        "--reports-dir", default="reports", help="where the report folder <preset>-<date> goes"
-    )
-    ap.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="runs trained and evaluated at once, one thread each (1: one run at a time with "
-        "every thread); results do not depend on it beyond float summation order",
-    )
+    ap.add_argument("--reports-dir", help=argparse.SUPPRESS)  # deprecated: the parent of --out
     ap.add_argument(
         "--execute",
         action="store_true",
@@ -306,17 +317,28 @@ def parser() -> argparse.ArgumentParser:
         help="check that this install runs the preset: every arm for a few steps on few tokens, "
         "one seed (runs/reproduce-smoke-*, reports/PRESET-smoke-DATE); measures nothing",
     )
+    ap.epilog += (
+        "\n\nAny other --key=value is a training setting over the preset's (lssar train --help "
+        "lists them), e.g. --max_steps=100."
+    )
     return ap
 
 
 def cli(argv: list[str]) -> int:
     ap = parser()
     args, overrides = ap.parse_known_args(argv)
+    arms, seeds = study_args(args)
     get_preset(args.preset)  # an unknown name fails first
+    if args.reports_dir is not None:
+        print(
+            "note: --reports-dir is deprecated, use --out (the report directory)", file=sys.stderr
+        )
+        stamp = f"{'smoke-' if args.smoke else ''}{dt.date.today().isoformat()}"
+        args.out = args.out or str(Path(args.reports_dir) / f"{args.preset}-{stamp}")
     if args.preset == "paper" and not args.execute:
         if args.smoke:
             raise ValueError("--smoke runs the paper preset here: add --execute")
-        runs = Path(args.runs_dir or f"runs/reproduce-{PRESETS['paper'].train_preset}")
+        runs = Path(args.runs or f"runs/reproduce-{PRESETS['paper'].train_preset}")
         print(
             f"# {PRESETS['paper'].description}\n# expected time: {PRESETS['paper'].budget}\n"
             "# run these on a GPU node, or there: torchrun --standalone --nproc_per_node=8 "
@@ -325,12 +347,15 @@ def cli(argv: list[str]) -> int:
         )
         print("\n".join(paper_commands(PRESETS["paper"], runs)))
         return 0
-    out = reproduce(
+    out = run_study(
         args.preset,
-        args.runs_dir,
-        args.reports_dir,
-        overrides=overrides,
-        jobs=args.jobs,
+        args.runs,
+        args.out,
+        not args.no_progress,
+        overrides,
+        args.jobs or 1,
+        arms,
+        seeds,
         smoke=args.smoke,
     )
     print((out / "REPORT.md").read_text())
