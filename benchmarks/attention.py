@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import torch
 import lssar
 from lssar.ops.cpu_kernel import build_isa
 from lssar.positions import alibi_slopes
+from lssar.runio import cpu_info
 
 CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax (SDPA)", "softmax", "sdpa"),
@@ -171,12 +171,7 @@ def run_length(cases, t: int, dtype: torch.dtype, args) -> dict[str, dict]:
 def machine() -> str:
     """CPU model, cores, vector ISA torch runs and the one the kernel is built for, torch
     version, threads, python."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_info()["cpu_model"]
     return (
         f"{cpu}; {os.cpu_count()} cores; {torch.backends.cpu.get_cpu_capability()} "
         f"(cpu kernel built for {build_isa() or 'portable code'}); "
