@@ -129,6 +129,8 @@ def check_rope(
     ``base`` at ``head_dim`` and, with ``scaling``, its frequencies and attention factor at the
     training length and at 2^20 times it (``auto`` and ``dynamic-ntk`` grow with the length;
     :meth:`RopeScaling.frequencies` checks every other length as it computes it)."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
+        raise ValueError(f"rope_base={base!r} must be a finite number > 0, e.g. 10000")
     with torch.device("cpu"):  # host numbers, also while a model is built on the meta device
         check_frequencies(trained_inv_freq(base, head_dim), 1.0, f"rope_base={base!r}")
         if scaling is not None:

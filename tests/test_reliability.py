@@ -461,6 +461,8 @@ def test_usable_rope_factors_stay_finite(kind, factor):
 def test_a_rope_base_is_checked_by_what_it_computes(base):
     with pytest.raises(ValueError, match="rope_base"):
         _rope_model(rope_base=base)
+    with pytest.raises(ValueError, match="rope_base"):  # the attention module on its own
+        lssar.nn.Attention(16, 2, pos="rope", rope_base=base)
 
 
 @pytest.mark.parametrize("p", [2.0**-126, 1e-10, 1e3, 1e8, 2.0**28])
