@@ -152,7 +152,7 @@ def test_finding_paragraphs_of_the_studies_are_findings_too():
     assert equivalence_words(section) == ["matched"]
 
 
-# ------------------------------------------------------------ the prose held to the markers (#44)
+# ------------------------------------------------------------------ the prose held to the markers
 
 FINDINGS = (ROOT / "docs" / "findings.md").read_text()
 # every page with markers: the findings, and the README's one-line summaries of them

@@ -40,7 +40,7 @@ IMPLS = [i for i in registry.IMPLS if i != "flex"]
 B, H, D = 1, 2, 16
 
 
-# ------------------------------------------------------------------ 1. views reach every kernel
+# --------------------------------------------------------------------- views reach every kernel
 
 VIEWS = {  # kind -> (base shape for T rows, the legal view of it that is (B, H, T, D))
     "unfold (row stride 1)": (lambda t: (B, H, t + D - 1), lambda x, t: x.unfold(2, D, 1)),
@@ -141,7 +141,7 @@ def test_the_decode_kernel_refuses_rows_blas_cannot_read():
         mod.decode(q, k[:, :0], k[:, :0], None, False, 1.0, True, True, -1.0, 3.0, 1e-5, 1024)
 
 
-# ------------------------------------------------------------------- 2. every zero-size shape
+# ---------------------------------------------------------------------- every zero-size shape
 
 ZERO = {  # (B, H_q, H_kv, T_q, T_k)
     "B = 0": (0, 4, 2, 3, 5),
@@ -189,7 +189,7 @@ def test_zero_key_heads_or_head_dims_are_value_errors(impl):
         lssar.attention(q[..., :0], q[..., :0], q, impl=impl)
 
 
-# ---------------------------------------------------------- 3. windows and sinks past int64
+# ------------------------------------------------------------- windows and sinks past int64
 
 HUGE = [sys.maxsize, 2**63, 2**64, 2**100]
 
@@ -244,7 +244,7 @@ def test_the_model_takes_a_window_of_any_size():
         assert err(model(idx, window=2**80, sink_tokens=2**70)[0], full) == 0
 
 
-# -------------------------------------------------- 4. hints that lead to the right answer
+# ----------------------------------------------------- hints that lead to the right answer
 
 
 def _hint(message: str) -> str:
@@ -396,7 +396,7 @@ def test_the_flex_backward_hint():
     assert err(got, want) < 1e-5
 
 
-# ---------------------------------------------------------------- 11. cu_seqlens and devices
+# -------------------------------------------------------------------- cu_seqlens and devices
 
 
 def test_cu_seqlens_on_the_meta_device_names_the_argument():
@@ -428,7 +428,7 @@ def test_orbits_threads_must_be_positive(capsys):
         assert out == f"error: --threads must be an integer >= 1, got {bad}\n"
 
 
-# ---------------------------------------------------------------- 5. numeric options (RoPE)
+# ------------------------------------------------------------------- numeric options (RoPE)
 
 
 def _rope_model(**kw) -> GPT:
@@ -498,7 +498,7 @@ def test_a_scale_past_float32_is_refused():
     assert lssar.attention(q, q, q, variant="softmax", scale=1e30).shape == q.shape
 
 
-# ---------------------------------------------------------- 6, 7. the pool of study units
+# ---------------------------------------------------------------- the pool of study units
 
 
 def _unit(tag: str, seconds: float, out: str) -> str:
