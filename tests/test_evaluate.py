@@ -798,7 +798,7 @@ def test_reproduce_smoke_is_a_small_copy_of_the_preset_kept_apart(tmp_path, monk
 
     seen: dict = {}
 
-    def fake_units(fn, units, jobs=1, on_done=None):
+    def fake_units(fn, units, jobs=1, on_done=None, check=None, names=None):
         seen["units"] = units
         return [[[{"arm": a}] for a in u[2]] for u in units]
 

@@ -606,3 +606,21 @@ def test_a_tiny_temperature_samples_the_greedy_token(temperature):
     gen = torch.Generator().manual_seed(0)
     got = model.generate(idx, 6, temperature=temperature, generator=gen)
     assert got.shape == (2, 11) and torch.equal(got, greedy)
+
+
+def test_a_refused_fine_tuning_unit_stops_every_unit_before_any_starts(tmp_path, monkeypatch):
+    """The same preflight for ``lssar convert-study``: a fine-tuning run of the preset that
+    exists with another config refuses the whole study before any unit runs."""
+    from lssar.studies.convert import study as cs
+    from lssar.train.checkpoint import write_json
+
+    preset, runs, started = cs.PRESETS["quick"], tmp_path / "runs", []
+    monkeypatch.setattr(cs, "run_unit", lambda *unit, **kw: started.append(unit))
+    study = cs.ConvertStudy(preset, runs, tmp_path / "report", progress=False)
+    arm, seed = study.units()[-1]  # the last unit
+    cfg = cs.finetune_config(preset, arm, seed, runs)
+    (runs / cfg.name).mkdir(parents=True)
+    write_json(runs / cfg.name / "config.json", {**dataclasses.asdict(cfg), "lr": 0.5})
+    with pytest.raises(ValueError, match=r"was started with a different config \(lr: 0\.5 \(run\)"):
+        study.run()
+    assert started == []

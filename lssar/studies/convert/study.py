@@ -19,7 +19,7 @@ from lssar.integrations.pretrained import resolve_source, save_model
 from lssar.studies.common import Study, select_arms, study_args, study_parser
 from lssar.studies.convert.presets import ARMS, ORIGINAL, PRESETS, TINY, Preset
 from lssar.studies.lm.evaluate_hf import evaluate_model
-from lssar.train.checkpoint import read_json, read_log
+from lssar.train.checkpoint import CONFIG, check_config, read_json, read_log
 
 
 def tiny_llama(out: Path, corpus: str = "shakespeare", seed: int = 0) -> Path:
@@ -178,6 +178,17 @@ class ConvertStudy(Study):
 
     def run_unit(self, arm: str, seed: int) -> list[dict[str, Any]]:
         return run_unit(self.preset, arm, seed, self.runs, self.progress)
+
+    def check_unit(self, arm: str, seed: int) -> None:
+        """Refuse a unit whose fine-tuning run exists with another config, before any unit
+        starts (a pool that found it while running would have fine-tuned other arms with the
+        new config meanwhile)."""
+        if arm == ORIGINAL:  # the pretrained model as it is: no run of its own
+            return
+        cfg = finetune_config(self.preset, arm, seed, self.runs)
+        run_dir = Path(cfg.out_dir) / cfg.name  # as ft.finetune finds it
+        if (stored := read_json(run_dir / CONFIG)) is not None:
+            check_config(stored, dataclasses.asdict(cfg), run_dir)
 
     def unit_name(self, arm: str, seed: int) -> str:
         return f"arm {arm} (seed {seed})"
