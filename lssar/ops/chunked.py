@@ -51,11 +51,10 @@ DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a f
 # traffic; measured on 2 cores, fwd+bwd at T = 16K: 1.62x (lssa) / 1.76x (lssar) SDPA with
 # 512 KB slabs, 1.26x / 1.30x with 2 MB.
 FUSED_BLOCK_ELEMS = 1 << 19
-# Fused forward. LSSA: 256 query rows x 512 keys a tile (one pass, tiles add up), the blocking
-# of PyTorch's own CPU flash kernel: scores, K and V tiles stay in L2 and K, V are re-read once per
-# 256 rows. LSSAR: 64 rows, each block's keys as one tile, keeping its softplus values between its
-# two passes (recomputing them per tile cost more than the cache misses it saves: measured with
-# the AVX2 build on 2 cores, T = 4K and 16K, lssar forward 2.2-2.5x SDPA tiled vs 1.65x untiled).
+# Fused forward: tiles of 512 keys (their packed K and V stay in L2 while a block's rows use
+# them). LSSA: blocks of 256 query rows (one pass, tiles add up), the blocking of PyTorch's own CPU
+# flash kernel. LSSAR: blocks of 64 rows whose softplus values are kept between its two passes
+# (written once, read once; recomputing them per tile cost more than the traffic it saves).
 LSSA_ROWS, LSSA_KEY_TILE, LSSAR_ROWS = 256, 512, 64
 # A decode step (``impl="cpu"``, no gradient): at most this many new queries go to the kernel's
 # decode entry, which reads the cache in place, normalises each key as it reads it and cuts the
@@ -91,10 +90,7 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
     flat = [t.detach().reshape(B * H, t.shape[2], t.shape[3]).contiguous() for t in tensors]
     m4 = None if mask is None else as_4d(mask).expand(B, H, t_q, t_k)
     if name == "forward":
-        if p is None:
-            tiling = (block if block > 0 else LSSA_ROWS, LSSA_KEY_TILE)
-        else:
-            tiling = (block if block > 0 else LSSAR_ROWS, t_k)
+        tiling = (block if block > 0 else LSSA_ROWS if p is None else LSSAR_ROWS, LSSA_KEY_TILE)
     else:
         tiling = (_fused_rows(t_k, block),)
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
