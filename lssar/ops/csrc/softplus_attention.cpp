@@ -20,6 +20,8 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -843,92 +845,234 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
   return {dq, dk, dvv, underflow.load()};
 }
 
-// out [R, DV] = W [R, kt] (row stride lda) times V [kt, DV] (row stride ldv), reading only the
-// rows of V with a nonzero weight in some row of W: masked keys (and keys LSSAR zeroes) are never
-// read, so padding there may hold anything, NaN included, as in the forward's select.
-inline void weights_v(int64_t R, int64_t kt, const float* w, int64_t lda, const float* v,
-                      int64_t ldv, int64_t DV, float* out) {
-  std::fill(out, out + R * DV, 0.f);
-  for (int64_t j = 0; j < kt; ++j) {
-    const float* vj = v + j * ldv;
-    for (int64_t r = 0; r < R; ++r) {
-      const float x = w[r * lda + j];
-      if (x == 0.f) continue;
-      const Vec xv(x);
-      float* o = out + r * DV;
-      for (int64_t y = 0; y < DV; y += Vec::size()) {
-        const int64_t cnt = std::min<int64_t>(Vec::size(), DV - y);
-        at::vec::fmadd(xv, Vec::loadu(vj + y, cnt), Vec::loadu(o + y, cnt)).store(o + y, cnt);
-      }
-    }
-  }
-}
-
-// n rows of d values (row stride ld) of a half-precision cache, as float32 into dst [n, d]
+// ---------------------------------------------------------------------------- the decode step
+// A cache's rows as float32 vectors, converted in registers as they are loaded (bf16: the bits
+// shifted into a float's high half; fp16: the F16C conversion), cnt < L lanes on a row's tail
 template <typename T>
-void rows_to_float(const T* src, int64_t n, int64_t d, int64_t ld, float* dst) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t x = 0; x < d; ++x) dst[i * d + x] = static_cast<float>(src[i * ld + x]);
+inline Vec load_f32(const T* p, int64_t cnt = L) {
+  if constexpr (std::is_same_v<T, float>) {
+    return cnt == L ? Vec::loadu(p) : Vec::loadu(p, cnt);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    if (cnt == L) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      else
+        return _mm512_cvtph_ps(h);
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if (cnt == L) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      else
+        return _mm256_cvtph_ps(h);
+    }
+#endif
+    float buf[L] = {};
+    for (int64_t i = 0; i < cnt; ++i) buf[i] = static_cast<float>(p[i]);
+    return Vec::loadu(buf);
+  }
 }
 
-// Rows j0 .. j0 + n - 1 of head `u` (= b H + h) of a [B, H, T, d] cache as float32: the cache
-// itself (float32: no copy), or the rows converted into `buf` (bf16, fp16). Returns the rows
-// and their stride.
-struct CacheRows {
-  const char* base;
-  at::ScalarType type;
-  int64_t H, s0, s1, s2, d, esize;
-  CacheRows(const at::Tensor& t)
-      : base(static_cast<const char*>(t.data_ptr())), type(t.scalar_type()), H(t.size(1)),
-        s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), d(t.size(3)),
-        esize(t.element_size()) {}
-  std::pair<const float*, int64_t> at(int64_t u, int64_t j0, int64_t n, float* buf) const {
-    const char* p = base + ((u / H) * s0 + (u % H) * s1 + j0 * s2) * esize;
-    if (type == at::kFloat) return {reinterpret_cast<const float*>(p), s2};
-    if (type == at::kBFloat16)
-      rows_to_float(reinterpret_cast<const at::BFloat16*>(p), n, d, s2, buf);
-    else
-      rows_to_float(reinterpret_cast<const at::Half*>(p), n, d, s2, buf);
-    return {buf, d};
+// lane j of the result = the sum of v[j]'s lanes: L horizontal sums at once, by a transposing
+// tree of shuffles and adds (AVX-512: 45 instructions for 16 sums; one horizontal sum alone takes
+// about 8)
+inline Vec sum_lanes(Vec (&v)[L]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   }
-};
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of v[4i .. 4i + 3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 t[4], u[2];
+  for (int i = 0; i < 4; ++i) t[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) u[i] = _mm256_hadd_ps(t[2 * i], t[2 * i + 1]);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
+                       _mm256_permute2f128_ps(u[0], u[1], 0x31));
+#else
+  float s[L];
+  for (int64_t i = 0; i < L; ++i) s[i] = hsum(v[i]);
+  return Vec::loadu(s);
+#endif
+}
+
+// 1 / ||k|| of one key, scaled by its largest magnitude first (as common.unit does), 0 for a
+// zero or non-finite key (cosine 0 with every query): the rare keys whose squares over- or
+// underflow float32
+inline float robust_inv_norm(const float* k, int64_t d) {
+  float big = 0.f;
+  for (int64_t x = 0; x < d; ++x) big = std::max(big, std::abs(k[x]));
+  if (!(big > 0.f) || !std::isfinite(big)) return 0.f;
+  float ss = 0.f;
+  for (int64_t x = 0; x < d; ++x) ss += (k[x] / big) * (k[x] / big);
+  const float nrm = std::sqrt(ss) * big;
+  return nrm > 0.f && std::isfinite(nrm) ? 1.f / nrm : 0.f;
+}
+
+// A block of nk <= L keys (rows of a cache, stride ldk) as float32 rows of D (`buf`, or the
+// cache itself when it is float32)
+template <typename T>
+inline const float* keys_f32(const T* k, int64_t ldk, int64_t nk, int64_t D, float* buf,
+                             int64_t& ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    ld = ldk;
+    return k;
+  } else {
+    ld = D;
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t x = 0; x < D; x += L) {
+        const int64_t cnt = std::min<int64_t>(L, D - x);
+        const Vec y = load_f32(k + j * ldk + x, cnt);
+        if (cnt == L) y.store(buf + j * D + x);
+        else y.store(buf + j * D + x, cnt);
+      }
+    return buf;
+  }
+}
+
+// lane j: a . k_j over D for the block's nk keys (0 on the other lanes)
+inline Vec dot_lanes(const float* a, const float* kb, int64_t ld, int64_t nk, int64_t D) {
+  Vec acc[L];
+  for (int64_t j = 0; j < L; ++j) {
+    Vec s(0.f);
+    if (j < nk)
+      for (int64_t x = 0; x < D; x += L) {
+        const int64_t cnt = std::min<int64_t>(L, D - x);
+        s = at::vec::fmadd(cnt == L ? Vec::loadu(a + x) : Vec::loadu(a + x, cnt),
+                           cnt == L ? Vec::loadu(kb + j * ld + x) : Vec::loadu(kb + j * ld + x, cnt), s);
+      }
+    acc[j] = s;
+  }
+  return sum_lanes(acc);
+}
+
+// 1 / ||k_j|| of the block's keys: one sum of squares per key, summed L keys at a time; keys
+// whose squares leave [1e-30, 1e30] go to robust_inv_norm
+inline Vec inv_norms(const float* kb, int64_t ld, int64_t nk, int64_t D) {
+  Vec acc[L];
+  for (int64_t j = 0; j < L; ++j) {
+    Vec s(0.f);
+    if (j < nk)
+      for (int64_t x = 0; x < D; x += L) {
+        const int64_t cnt = std::min<int64_t>(L, D - x);
+        const Vec y = cnt == L ? Vec::loadu(kb + j * ld + x) : Vec::loadu(kb + j * ld + x, cnt);
+        s = at::vec::fmadd(y, y, s);
+      }
+    acc[j] = s;
+  }
+  const Vec ss = sum_lanes(acc);
+  Vec inv = Vec(1.f) / ss.sqrt();
+  float sv[L], iv[L];
+  ss.store(sv);
+  bool odd = false;
+  for (int64_t j = 0; j < nk; ++j) odd |= !(sv[j] >= 1e-30f && sv[j] <= 1e30f);
+  if (odd) {
+    inv.store(iv);
+    for (int64_t j = 0; j < nk; ++j)
+      if (!(sv[j] >= 1e-30f && sv[j] <= 1e30f)) iv[j] = robust_inv_norm(kb + j * ld, D);
+    inv = Vec::loadu(iv);
+  }
+  return inv;
+}
+
+// V's row as float32 vectors where its weight is nonzero, and zeros without reading memory where
+// it is 0 (AVX-512: masked loads, which neither fault nor read; else a branch): masked keys (and
+// keys LSSAR zeroes) are never read, so padding there may hold anything, NaN included, as in the
+// forward's select. Branch-free where the ISA allows: LSSAR zeroes about half the keys in no
+// pattern a branch predictor could follow.
+template <typename T>
+inline Vec load_if(const T* p, int64_t cnt, bool keep) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __mmask16 m = keep ? static_cast<__mmask16>((1u << cnt) - 1u) : 0;
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else
+      return _mm512_cvtph_ps(h);
+  }
+#else
+  return keep ? load_f32(p, cnt) : Vec(0.f);
+#endif
+}
+
+// out [R, DV] = W [R, kt] (row stride ldw) times V [kt, DV] (row stride ldv, a cache's rows,
+// converted as they are loaded), reading only the rows of V with a nonzero weight (load_if)
+template <typename T>
+void weights_v(int64_t R, int64_t kt, const float* w, int64_t ldw, const T* v, int64_t ldv,
+               int64_t DV, float* out) {
+  constexpr int64_t C = 4;  // vectors of a row's output in registers
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c0 = 0; c0 < DV; c0 += C * L) {
+      Vec acc[C];
+      int64_t cnt[C];
+      for (int64_t c = 0; c < C; ++c) {
+        acc[c] = Vec(0.f);
+        cnt[c] = std::clamp<int64_t>(DV - c0 - c * L, 0, L);
+      }
+      const int64_t nv = (std::min<int64_t>(C * L, DV - c0) + L - 1) / L;
+      for (int64_t j = 0; j < kt; ++j) {
+        const float x = w[r * ldw + j];
+        const T* vj = v + j * ldv + c0;
+#if !defined(CPU_CAPABILITY_AVX512)
+        if (x == 0.f) continue;
+#endif
+        const Vec xv(x);
+        if (nv == C) {
+#pragma GCC unroll 4
+          for (int64_t c = 0; c < C; ++c)
+            acc[c] = at::vec::fmadd(xv, load_if(vj + c * L, cnt[c], x != 0.f), acc[c]);
+        } else {
+          for (int64_t c = 0; c < nv; ++c)
+            acc[c] = at::vec::fmadd(xv, load_if(vj + c * L, cnt[c], x != 0.f), acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < nv; ++c)
+        if (cnt[c] == L) acc[c].store(out + r * DV + c0 + c * L);
+        else acc[c].store(out + r * DV + c0 + c * L, cnt[c]);
+    }
+}
 
 // A decode step: T_q (a few) new queries of every head against a long cache of T_k keys, no
 // gradient. q [B, H_q, T_q, D] float32 contiguous (unit vectors when `norm_k`); k [B, H_k, T_k, D]
 // and v [B, H_k, T_k, Dv] views with unit last stride (a KV cache's buffers, read in place: no
-// copy), float32, or bf16 / fp16 converted chunk by chunk as they are read; H_q = G H_k (GQA: a
+// copy), float32, or bf16 / fp16 converted in registers as they are read; H_q = G H_k (GQA: a
 // kv head's G query heads share each read of its keys).
-// `norm_k`: the keys are divided by their norms here, as they are read (scaled by their largest
-// magnitude first, as common.unit does), so a step reads each key once instead of normalising
-// the whole cache first. Keys are cut into chunks of `chunk`, each (b, kv head, chunk) one task,
-// so one head's long cache keeps every thread busy (split-K):
-//   pass 1 (over K): scores by BLAS on the raw keys, the row scale and the key's inverse norm,
-//     softplus kept in a [B H_k, G T_q, T_k] buffer (1/D of K's size per query row); per-chunk
-//     Z_i and max_j a_ij (and, for LSSA, the chunk's A V);
+// `norm_k`: the scores are divided by the keys' norms: `k_inv` [B, H_k, T_k] (unit last stride)
+// when the cache keeps them (computed once, when a key enters it), else computed here from the
+// keys as they are read (L keys' sums of squares at once). Keys are cut into chunks of `chunk`,
+// each (b, kv head, chunk) one task, so one head's long cache keeps every thread busy (split-K):
+//   pass 1 (over K): per block of L keys their dot products with the rows' queries (L at once),
+//     times the row scale and the keys' inverse norms, softplus kept in a [B H_k, G T_q, T_k]
+//     buffer (1/D of K's size per query row); per-chunk Z_i and max_j a_ij (and, for LSSA, the
+//     chunk's A V);
 //   pass 2 (over V, LSSAR only): the weights r^p from the kept values and the chunk's W V.
 // Masked keys are never read into a result (scores by select, values only where a weight is
 // nonzero: weights_v), so the host need not zero the padding of the cache first.
 // The chunks' sums are added in chunk order. Returns (out [B, H_q, T_q, Dv], any_underflow).
-std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const c10::optional<at::Tensor>& mask, bool causal,
-                                    double scale, bool log_n, bool norm_k, double p,
-                                    double min_keys, double tol, int64_t chunk) {
-  for (auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
-                "decode takes CPU tensors [B, H, T, D] with unit last stride");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "decode: q must be contiguous float32");
-  const auto kv_type = k.scalar_type();
-  TORCH_CHECK(v.scalar_type() == kv_type && (kv_type == at::kFloat || kv_type == at::kBFloat16 ||
-                                             kv_type == at::kHalf),
-              "decode: k and v must share one of float32, bfloat16, float16");
+template <typename T>
+std::tuple<at::Tensor, bool> decode_impl(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const c10::optional<at::Tensor>& k_inv,
+                                         const c10::optional<at::Tensor>& mask, bool causal,
+                                         double scale, bool log_n, bool norm_k, double p,
+                                         double min_keys, double tol, int64_t chunk) {
   const int64_t B = q.size(0), HQ = q.size(1), TQ = q.size(2), D = q.size(3);
   const int64_t HK = k.size(1), TK = k.size(2), DV = v.size(3);
-  TORCH_CHECK(HQ % HK == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == HK &&
-                  v.size(2) == TK && k.size(3) == D,
-              "decode: shapes of q, k, v do not agree");
   const int64_t G = HQ / HK, R = G * TQ, U = B * HK;  // rows per kv head, units (b, kv head)
-  const int64_t CH = std::max<int64_t>(1, chunk), NC = (TK + CH - 1) / CH;
+  const int64_t CH = round_up(std::max<int64_t>(1, chunk), L), NC = (TK + CH - 1) / CH;
   // the row rules (ends, counts, scales, re-weighting) as the forward's, per query head
   const Problem P = make_problem(B * HQ, HQ, TQ, TK, D, DV, mask, causal, scale, log_n, p,
                                  min_keys, tol, 1);
@@ -948,62 +1092,63 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
   const float* qp = q.data_ptr<float>();
   float* ap = kept.data_ptr<float>();
   float* pp = part.data_ptr<float>();
-  const CacheRows keys(k), values(v);
-  const bool half = kv_type != at::kFloat;
+  const T* kp = static_cast<const T*>(k.data_ptr());
+  const T* vp = static_cast<const T*>(v.data_ptr());
+  // the first key / value of unit u, and the inverse norms given with the cache
+  auto key0 = [&](int64_t u) { return kp + (u / HK) * k.stride(0) + (u % HK) * k.stride(1); };
+  auto value0 = [&](int64_t u) { return vp + (u / HK) * v.stride(0) + (u % HK) * v.stride(1); };
+  const float* ip = k_inv.has_value() ? k_inv->data_ptr<float>() : nullptr;
+  auto inv0 = [&](int64_t u) {
+    return ip + (u / HK) * k_inv->stride(0) + (u % HK) * k_inv->stride(1);
+  };
+  const int64_t ldk = k.stride(2), ldv = v.stride(2);
   at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> inv(CH), mfb(CH), kbuf(half ? CH * D : 0), vbuf(half ? CH * DV : 0);
+    std::vector<float> kbuf(L * D), mfb(CH);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
-      const auto [kb, ldk] = keys.at(u, k0, kt, kbuf.data());
       float* a = ap + u * R * TK + k0;  // row r at a + r TK
-      // the rows' scores on the raw keys (BLAS reads the cache in place, ldb = its row stride)
-      gemm(R, kt, D, qp + u * R * D, D, kb, ldk, true, 0.f, a, TK);
-      for (int64_t j = 0; j < kt; ++j) {  // 1 / ||k_j||, from the chunk just read (in cache)
-        if (!norm_k) {
-          inv[j] = 1.f;
-          continue;
+      const float* qu = qp + u * R * D;
+      Vec zs[16], mx[16];  // rows' sums and maxima over the chunk (R <= 16 at a time)
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        const int64_t rn = std::min<int64_t>(16, R - r0);
+        for (int64_t r = 0; r < rn; ++r) zs[r] = mx[r] = Vec(0.f);
+        for (int64_t j = 0; j < kt; j += L) {
+          const int64_t nk = std::min<int64_t>(L, kt - j);
+          int64_t ld;
+          const float* kb = keys_f32(key0(u) + (k0 + j) * ldk, ldk, nk, D, kbuf.data(), ld);
+          Vec ik(1.f);
+          if (norm_k)
+            ik = ip ? Vec::loadu(inv0(u) + k0 + j, nk) : inv_norms(kb, ld, nk, D);
+          for (int64_t r = r0; r < r0 + rn; ++r) {
+            const int64_t x = u * R + r;
+            const int64_t vis = std::clamp<int64_t>(P.row_end(r % TQ) - k0 - j, 0, nk);
+            float* row = a + r * TK + j;
+            if (vis == 0) {
+              std::fill(row, row + nk, 0.f);
+              continue;
+            }
+            // a key of norm 0 (or NaN, inf) has cosine 0, as common.unit makes it
+            const Vec s = Vec::blendv(dot_lanes(qu + r * D, kb, ld, nk, D) * ik * Vec(c[x]),
+                                      Vec(0.f), ik == Vec(0.f));
+            Vec av = softplus(s);
+            if (P.mask) {
+              visible_keys(P, bh_of(u, r), r % TQ, k0 + j, vis, mfb.data());
+              av = visible<true, false>(av, mfb.data(), 0, vis);
+            } else {
+              av = visible<false, false>(av, nullptr, 0, vis);
+            }
+            av.store(row, nk);
+            zs[r - r0] = zs[r - r0] + av;
+            mx[r - r0] = at::vec::maximum(mx[r - r0], av);
+          }
         }
-        const float* kj = kb + j * ldk;
-        Vec mx(0.f);
-        for (int64_t x = 0; x < D; x += Vec::size())
-          mx = at::vec::maximum(mx, Vec::loadu(kj + x, std::min<int64_t>(Vec::size(), D - x)).abs());
-        const float big = hmax(mx);
-        const bool ok = big > 0.f && std::isfinite(big);
-        const Vec rb(ok ? 1.f / big : 1.f);
-        Vec ss(0.f);
-        for (int64_t x = 0; x < D; x += Vec::size()) {
-          const Vec y = Vec::loadu(kj + x, std::min<int64_t>(Vec::size(), D - x)) * rb;
-          ss = at::vec::fmadd(y, y, ss);
+        for (int64_t r = r0; r < r0 + rn; ++r) {
+          zp[(u * NC + ch) * R + r] = hsum(zs[r - r0]);
+          mp[(u * NC + ch) * R + r] = hmax(mx[r - r0]);
         }
-        const float nrm = std::sqrt(hsum(ss)) * (ok ? big : 1.f);
-        inv[j] = nrm > 0.f ? 1.f / nrm : 0.f;  // a zero key: cosine 0 with every query
       }
-      const Vec zero(0.f);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t x = u * R + r, vis = std::clamp<int64_t>(P.row_end(r % TQ) - k0, 0, kt);
-        float* row = a + r * TK;
-        const float* mf = visible_keys(P, bh_of(u, r), r % TQ, k0, vis, mfb.data());
-        const Vec cv(c[x]);
-        Vec zs(0.f), mx(0.f);
-        for (int64_t j = 0; j < vis; j += Vec::size()) {
-          const int64_t cnt = std::min<int64_t>(Vec::size(), vis - j);
-          const Vec ik = Vec::loadu(inv.data() + j, cnt);
-          // a key of norm 0 (or NaN, inf) has cosine 0, as common.unit makes it
-          const Vec s = Vec::blendv(Vec::loadu(row + j, cnt) * ik * cv, zero, ik == zero);
-          Vec av = softplus(s);
-          av = mf ? visible<true, false>(av, mf, j, cnt) : visible<false, false>(av, mf, j, cnt);
-          av.store(row + j, cnt);
-          zs = zs + av;
-          mx = at::vec::maximum(mx, av);
-        }
-        for (int64_t j = vis; j < kt; ++j) row[j] = 0.f;  // after the row's last key
-        zp[(u * NC + ch) * R + r] = hsum(zs);
-        mp[(u * NC + ch) * R + r] = hmax(mx);
-      }
-      if (!P.reweight) {  // LSSA: this chunk's A V, normalised once every chunk's Z is known
-        const auto [vb, ldv] = values.at(u, k0, kt, vbuf.data());
-        weights_v(R, kt, a, TK, vb, ldv, DV, pp + (u * NC + ch) * R * DV);
-      }
+      if (!P.reweight)  // LSSA: this chunk's A V, normalised once every chunk's Z is known
+        weights_v(R, kt, a, TK, value0(u) + k0 * ldv, ldv, DV, pp + (u * NC + ch) * R * DV);
     }
   });
   // the rows' statistics over every chunk
@@ -1030,8 +1175,6 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
   if (underflow) return {at::empty({0}, q.options()), true};
   if (P.reweight) {
     at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
-      const Vec zero(0.f);
-      std::vector<float> vbuf(half ? CH * DV : 0);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
         float* a = ap + u * R * TK + k0;
@@ -1043,8 +1186,7 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
           if (has[x]) with_pow(P.p, [&](auto pw) { ws = sharpen_row(row, kt, mu[x], iv[x], pw); });
           dp[(u * NC + ch) * R + r] = ws;
         }
-        const auto [vb, ldv] = values.at(u, k0, kt, vbuf.data());
-        weights_v(R, kt, a, TK, vb, ldv, DV, pp + (u * NC + ch) * R * DV);
+        weights_v(R, kt, a, TK, value0(u) + k0 * ldv, ldv, DV, pp + (u * NC + ch) * R * DV);
       }
     });
     for (int64_t u = 0; u < U; ++u)
@@ -1070,6 +1212,39 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
     }
   });
   return {out, false};
+}
+
+std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const c10::optional<at::Tensor>& k_inv,
+                                    const c10::optional<at::Tensor>& mask, bool causal,
+                                    double scale, bool log_n, bool norm_k, double p,
+                                    double min_keys, double tol, int64_t chunk) {
+  for (auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
+                "decode takes CPU tensors [B, H, T, D] with unit last stride");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "decode: q must be contiguous float32");
+  const auto kv_type = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == kv_type && (kv_type == at::kFloat || kv_type == at::kBFloat16 ||
+                                             kv_type == at::kHalf),
+              "decode: k and v must share one of float32, bfloat16, float16");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
+                  v.size(1) == k.size(1) && v.size(2) == k.size(2) && k.size(3) == q.size(3),
+              "decode: shapes of q, k, v do not agree");
+  if (k_inv.has_value())
+    TORCH_CHECK(k_inv->scalar_type() == at::kFloat && k_inv->dim() == 3 &&
+                    k_inv->size(0) == k.size(0) && k_inv->size(1) == k.size(1) &&
+                    k_inv->size(2) == k.size(2) && k_inv->stride(2) == 1,
+                "decode: k_inv must be float32 [B, H_k, T_k] with unit last stride");
+  const auto args = std::make_tuple(mask, causal, scale, log_n, norm_k, p, min_keys, tol, chunk);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    return std::apply(
+        [&](auto&&... a) { return decode_impl<T>(q, k, v, k_inv, a...); }, args);
+  };
+  if (kv_type == at::kBFloat16) return run(at::BFloat16{});
+  if (kv_type == at::kHalf) return run(at::Half{});
+  return run(float{});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
