@@ -30,7 +30,6 @@ import argparse
 import ctypes
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ import torch
 import lssar
 from lssar.ops.cpu_kernel import build_isa
 from lssar.positions import alibi_slopes
+from lssar.runio import cpu_info
 
 CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax (SDPA)", "softmax", "sdpa"),
@@ -53,7 +53,7 @@ CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax-qknorm-logn (SDPA)", "softmax-qknorm-logn", "sdpa"),
     ("softmax + ALiBi (SDPA, query blocks)", "softmax", "sdpa+alibi"),
     ("softmax + ALiBi reference", "softmax", "reference+alibi"),
-    # issue #26: packed documents (cu_seqlens) and a sliding window, O(T * W) work and memory
+    # packed documents (cu_seqlens) and a sliding window, O(T * W) work and memory
     ("softmax (SDPA), packed docs of 512", "softmax", "sdpa+packed"),
     ("lssar p=15 cpu, packed docs of 512", "lssar", "cpu+packed"),
     ("lssar p=15 chunked, packed docs of 512", "lssar", "chunked+packed"),
@@ -181,19 +181,11 @@ def run_length(cases, t: int, dtype: torch.dtype, args) -> dict[str, dict]:
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
-def _cpuinfo(field: str) -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith(field))
-    except (OSError, StopIteration):
-        return ""
-
-
 def machine() -> str:
     """CPU model, cores, the flags of :data:`FLAGS` it has, vector ISA torch runs and the one
     the kernel is built for, torch version, threads, clock, python."""
-    cpu = _cpuinfo("model name") or platform.processor() or platform.machine()
-    flags = set(_cpuinfo("flags").split())
+    info = cpu_info()
+    cpu, flags = info["cpu_model"], set(info["cpu_flags"].split())
     return (
         f"{cpu}; {os.cpu_count()} cores; flags {' '.join(f for f in FLAGS if f in flags) or '?'}"
         f"; {torch.backends.cpu.get_cpu_capability()} "

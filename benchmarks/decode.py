@@ -22,7 +22,7 @@ rest, per token, sampling included) come from the same call.
     python benchmarks/decode.py                         # T_k = 1K..64K, T_q = 1 and 8, fp32
     python benchmarks/decode.py --quick                 # tiny (tests/test_benchmarks.py)
     python benchmarks/decode.py --max-cache 16384 --threads 1
-    python benchmarks/decode.py --tables step --tq 1 --lengths 4096 16384 65536 --threads 1 --clock cpu
+    python benchmarks/decode.py --tables step --tq 1 --lengths 4096 65536 --threads 1 --clock cpu
     python benchmarks/decode.py --tables step --tq 1 --impls sdpa cpu --padding
     python benchmarks/decode.py --tables generate --prompts 1024 4096
 
@@ -45,8 +45,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import attention as base  # benchmarks/ is on sys.path when run as a script
+import torch
 from attention import CLOCKS, machine, peak_mib, set_clock
 
 import lssar

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import attention as base  # benchmarks/ is on sys.path when run as a script
 import numpy as np
 import torch
-import attention as base  # benchmarks/ is on sys.path when run as a script
 from attention import CLOCKS, machine, set_clock
 
 from lssar.data import get_batch

@@ -5,7 +5,7 @@
 // vectorised passes over each row while it is in cache (softplus, Z_i and max_j a_ij; then
 // r_ij^p), and a second GEMM with V; LSSA is also tiled over keys, LSSAR keeps a block's softplus
 // values between its two passes. Backward: per batch x head (which owns its dk/dv), the weights
-// again with sigmoid and r^(p-1) kept, then dP, dx, the F_i row term and dS (METHOD.md sections 4
+// again with sigmoid and r^(p-1) kept, then dP, dx, the F_i row term and dS (docs/method.md sections 4
 // and 5, the same arithmetic as chunked's eager path). OpenMP through at::parallel_for.
 //
 // Rows where every visible softplus underflows float32 (all scores below about -104) are not
@@ -262,7 +262,7 @@ inline float sharpen_row(float* row, int64_t len, float mu, float inv, Pow pw) {
   return hsum(ws);
 }
 
-// The re-weighting's row statistics from N_i, Z_i and max_j a_ij (METHOD.md section 4): the
+// The re-weighting's row statistics from N_i, Z_i and max_j a_ij (docs/method.md section 4): the
 // centring mean mu_i, the largest x_ij = max_j relu(a_ij - mu_i), and whether the row has any
 // signal (else every weight is equal up to rounding and the row keeps the LSSA weights).
 struct Reweight {

@@ -2,14 +2,14 @@
 
 Device code only. The autotuning (the configurations, the pruning ``fits`` with
 ``MEASURED_SPILLS``, the autotuning key, ``prune_configs_by`` and the
-autotuned launchers ``fwd_tuned`` .. ``dkdv_tuned``) is :mod:`lssar.ops.triton.autotune`, split
-out of this module in issue #23; the host side (launch, custom ops, the public function) is
+autotuned launchers ``fwd_tuned`` .. ``dkdv_tuned``) is :mod:`lssar.ops.triton.autotune`, once
+part of this module; the host side (launch, custom ops, the public function) is
 :mod:`lssar.ops.triton.host`. At ~830 lines the device code stays one module: the four kernels
 share the jitted device functions (the dot, softplus, the weight rule, the span bounds) that
 Triton resolves from this module's globals.
 
 FlashAttention-2-style kernels for the softplus-l1 family (lssa, lssar, softplus-l1; any ``p``).
-The math is METHOD.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly (mean-centred
+The math is docs/method.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly (mean-centred
 ``x = softplus(s) - mu_i``, ``mu_i = Z_i / N_i`` for ``N_i > REWEIGHT_MIN_KEYS``,
 ``r = x / x_max``, LSSA weights for rows whose ``x`` are all within ``uniform_tolerance * mu_i``,
 zeros for rows with ``N_i = 0``). Only the schedule differs:
@@ -343,7 +343,7 @@ def _probs(a, vis, mu, inv_xmax, has, winv, p, P_INT: tl.constexpr, REWEIGHT):
 def _probs_dscores(
     a, sig, dp, vis, mu, inv_xmax, has, coef, fn, d, winv, p, P_INT: tl.constexpr, REWEIGHT
 ):
-    # P_ij and dL/ds_ij (METHOD.md section 5); LSSA / fallback rows: da = (dP - D) / W.
+    # P_ij and dL/ds_ij (docs/method.md section 5); LSSA / fallback rows: da = (dP - D) / W.
     prob, rpm1 = _probs(a, vis, mu, inv_xmax, has, winv, p, P_INT, REWEIGHT)
     cen = dp - d[:, None]
     if REWEIGHT:
