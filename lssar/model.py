@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lssar.nn import Attention, check_int, visibility
+from lssar.ops.chunked import key_inverse_norms
 from lssar.ops.registry import get_variant
 from lssar.positions import (
     ROPE_SCALINGS,
@@ -97,6 +98,34 @@ class GPTConfig:
         return AttentionSpec(self.attn, self.attn_options, self.attn_impl)
 
 
+class KeyNorms:
+    """``1 / ||k_j||`` (float32) of an append-only run of keys ``(B, H_kv, T, D)``, each computed
+    once: the first time they are asked for after the key arrived (:meth:`extend`), into a
+    buffer that doubles when full. What a KV cache passes as :func:`lssar.attention`'s
+    ``key_norms``, so a decode step reads each cached key once and normalises none."""
+
+    def __init__(self) -> None:
+        self._buf: Tensor | None = None
+        self._n = 0
+
+    def extend(self, keys: Tensor) -> Tensor:
+        """The inverse norms ``(B, H_kv, T)`` of ``keys``, whose first keys are the ones seen by the
+        previous call (a batch or device change starts over)."""
+        b, h, t = keys.shape[:3]
+        buf = self._buf
+        if buf is None or buf.shape[:2] != (b, h) or buf.device != keys.device or t < self._n:
+            buf, self._n = None, 0
+        if buf is None or t > buf.shape[2]:
+            grown = keys.new_empty(b, h, max(t, 2 * self._n), dtype=torch.float32)
+            if buf is not None:
+                grown[:, :, : self._n] = buf[:, :, : self._n]
+            buf = self._buf = grown
+        if self._n < t:
+            buf[:, :, self._n : t] = key_inverse_norms(keys[:, :, self._n : t].detach())
+            self._n = t
+        return buf[:, :, :t]
+
+
 class KVCache:
     """Per-layer keys/values of the tokens seen so far, ``(B, H_kv, T_seen, D)`` each.
 
@@ -106,12 +135,20 @@ class KVCache:
     amortised O(new tokens), and :meth:`update` returns views of the filled part (not contiguous
     across heads; every attention implementation takes strided inputs). Under autograd, where
     an in-place write would invalidate the views a backward pass saved, it concatenates.
+    :meth:`key_norms` keeps the keys' inverse norms (:class:`KeyNorms`) for the QK-norm variants.
     """
 
     def __init__(self, n_layer: int) -> None:
         self._k: list[Tensor | None] = [None] * n_layer
         self._v: list[Tensor | None] = [None] * n_layer
         self._len = [0] * n_layer
+        self._norms = [KeyNorms() for _ in range(n_layer)]
+
+    def key_norms(self, layer: int) -> Tensor | None:
+        """``1 / ||k_j||`` of the layer's cached keys, float32 ``(B, H_kv, T_seen)``, each computed
+        once (:class:`KeyNorms`); None before the first update."""
+        k = self._k[layer]
+        return None if k is None else self._norms[layer].extend(k[:, :, : self._len[layer]])
 
     @property
     def length(self) -> int:

@@ -151,13 +151,16 @@ class CoreAttention(nn.Module):
         sink_tokens: int = _UNSET,
         cu_seqlens: Tensor | None = None,
         s: Tensor | None = None,
+        key_norms: Tensor | None = None,
     ) -> Tensor:
         """``query (B, H, T_q, D)``, ``key (B, H_kv, T_k, D)``, ``value (B, H_kv, T_k, D_v)`` ->
         ``(B, H, T_q, D_v)``. ``attn_mask``: bool, broadcastable to ``(B, H, T_q, T_k)``, True =
         may attend (combined with the causal rule); ``alibi_slopes (H,)``: ALiBi's bias on the
         scores (softmax family); ``window`` / ``sink_tokens``: this call's, else the module's;
         ``cu_seqlens`` (int ``(n_docs + 1,)``): packed documents along T (B = 1), each attending
-        within itself; ``s (H,)``: the learned scale, else the module's ``ssmax_s``."""
+        within itself; ``s (H,)``: the learned scale, else the module's ``ssmax_s``;
+        ``key_norms (B, H_kv, T_k)``: the keys' inverse norms, as a KV cache keeps them
+        (:func:`lssar.attention`)."""
         return attention(
             query,
             key,
@@ -170,6 +173,7 @@ class CoreAttention(nn.Module):
             variant=self.spec.name,
             impl=self.spec.impl,
             alibi_slopes=alibi_slopes,
+            key_norms=key_norms,
             **self._visible(window, sink_tokens, cu_seqlens),
             **self._options(s),
         )
@@ -293,7 +297,9 @@ class Attention(nn.Module):
         with the causal rule. ``positions`` (``(T,)`` or ``(B|1, T)``): RoPE positions, default
         ``past .. past + T`` with ``past`` the tokens already in ``cache`` for this layer.
         ``cache``: anything with ``update(layer, k, v) -> (k, v)`` (all keys and values so far)
-        and ``past_length(layer)``, e.g. :class:`lssar.model.KVCache`. ``rope``: precomputed
+        and ``past_length(layer)``, e.g. :class:`lssar.model.KVCache`; one with
+        ``key_norms(layer)`` hands the QK-norm variants its keys' inverse norms, computed once
+        per key instead of at every step. ``rope``: precomputed
         ``(cos, sin)`` (``(T, D/2)`` or ``(B|1, 1, T, D/2)``; a model computes them once for
         all layers, with a RoPE scaling), ``alibi_slopes (H,)`` likewise. ``window``,
         ``sink_tokens``, ``cu_seqlens``: as :meth:`CoreAttention.forward` (packed documents
@@ -315,10 +321,22 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         elif self.pos == "alibi" and alibi_slopes is None:
             alibi_slopes = _alibi_slopes(self.n_head).to(x.device)
+        key_norms = None
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+            if get_variant(self.core.spec.name).qk_norm and hasattr(cache, "key_norms"):
+                key_norms = cache.key_norms(self.layer_idx)  # each key normalised once
         span = {"window": window, "sink_tokens": sink_tokens, "cu_seqlens": cu_seqlens}
-        y = self.core(q, k, v, attn_mask, alibi_slopes=alibi_slopes, s=self.ssmax_s, **span)
+        y = self.core(
+            q,
+            k,
+            v,
+            attn_mask,
+            alibi_slopes=alibi_slopes,
+            s=self.ssmax_s,
+            key_norms=key_norms,
+            **span,
+        )
         if weights is not None:
             weights.append(
                 self.core.weights(

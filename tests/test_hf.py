@@ -764,6 +764,34 @@ def test_export_refuses_a_length_dependent_factor_and_rope_scaling_without_rope(
     assert "rescales RoPE; this model was trained with pos='alibi'" in capsys.readouterr().err
 
 
+def test_gpt_wrapper_keeps_key_norms_across_steps_until_the_cache_changes(monkeypatch):
+    """The lssar-gpt model over HF's DynamicCache: each step computes the norms of its new keys
+    only, while the cache's keys are the tensor the previous step returned; reordering the
+    batch (beam search) replaces that tensor and the norms start over, still correct."""
+    import lssar.model as model_mod
+
+    computed = []
+    real = model_mod.key_inverse_norms
+    monkeypatch.setattr(
+        model_mod, "key_inverse_norms", lambda k: computed.append(k.shape[2]) or real(k)
+    )
+    model = hf.LssarGPTForCausalLM.from_gpt(tiny_gpt("lssar"))
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    full = model(x).logits
+    cache = DynamicCache()
+    computed.clear()
+    model(x[:, :5], cache=cache, use_cache=True)
+    for t in range(5, 7):
+        step = model(x[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full[:, t], atol=ATOL, rtol=0)
+    assert computed == [5, 5, 1, 1, 1, 1]  # 2 layers: the prompt's keys, then one key a step
+    computed.clear()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    step = model(x[[1, 0], 7:8], cache=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(step, full[[1, 0], 7], atol=ATOL, rtol=0)
+    assert computed == [8, 8]  # every key again: the reordered cache is another tensor
+
+
 # what runs in a Python that cannot import lssar: `-I` (no checkout on the path, no user site) and
 # a finder that refuses every lssar module, so the exported directory must stand alone
 _NO_LSSAR = """

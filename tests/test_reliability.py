@@ -126,8 +126,8 @@ def test_the_issues_unfolded_cache_through_auto(dtype):
     assert err(got, want) < tol
 
 
-def test_the_decode_kernel_refuses_rows_blas_cannot_read():
-    """Defence in depth: the C++ entry checks the row stride itself."""
+def test_the_decode_kernel_refuses_overlapping_rows():
+    """Defence in depth: the C++ entry checks the row stride (and 0 kv heads) itself."""
     from lssar.ops.cpu_kernel import kernel
 
     mod = kernel()
@@ -136,9 +136,9 @@ def test_the_decode_kernel_refuses_rows_blas_cannot_read():
     q = torch.randn(1, 2, 2, 16)
     k = torch.randn(1, 2, 1, 16).expand(1, 2, 50, 16)
     with pytest.raises(RuntimeError, match="row stride in \\[D, 2\\^31\\), got 0"):
-        mod.decode(q, k, k, None, False, 1.0, True, True, -1.0, 3.0, 1e-5, 1024)
+        mod.decode(q, k, k, None, None, False, 1.0, True, True, -1.0, 3.0, 1e-5, 1024)
     with pytest.raises(RuntimeError, match="shapes of q, k, v do not agree"):
-        mod.decode(q, k[:, :0], k[:, :0], None, False, 1.0, True, True, -1.0, 3.0, 1e-5, 1024)
+        mod.decode(q, k[:, :0], k[:, :0], None, None, False, 1.0, True, True, -1.0, 3.0, 1e-5, 1024)
 
 
 # ---------------------------------------------------------------------- every zero-size shape

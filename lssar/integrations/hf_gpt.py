@@ -20,6 +20,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lssar.integrations import packing
-from lssar.model import GPT, GPTConfig
+from lssar.model import GPT, GPTConfig, KeyNorms
 from lssar.ops.registry import get_variant
 from lssar.positions import RopeScaling, hf_rope_parameters
 from lssar.spec import AttentionSpec
@@ -124,14 +125,64 @@ def _output(**fields: Any) -> CausalLMOutputWithPast:
     return CausalLMOutputWithPast(**fields, **{key: cache})
 
 
+def _layer_keys(cache: Any, layer: int) -> Tensor | None:
+    """The keys a transformers cache holds for ``layer`` (``layers[i].keys`` in 5.x,
+    ``key_cache[i]`` before), or None."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return getattr(layers[layer], "keys", None) if layer < len(layers) else None
+    keys = getattr(cache, "key_cache", None)
+    return keys[layer] if keys is not None and layer < len(keys) else None
+
+
 class _CacheAdapter:
-    """A transformers cache seen through :class:`lssar.model.KVCache`'s ``update`` signature."""
+    """A transformers cache seen through :class:`lssar.model.KVCache`'s ``update`` and
+    ``key_norms`` (the adapter is made per forward call; the norms live on the cache object).
+
+    The keys' inverse norms carry over from the previous step only while the cache's keys are
+    the very tensor the previous update returned, unmodified (same object, same ``_version``):
+    transformers replaces the tensor when it appends (``torch.cat``), reorders beams, crops or
+    selects batch rows, so anything but a plain append starts the norms over (a static cache's
+    in-place writes too, through ``_version``).
+    """
 
     def __init__(self, cache: Any) -> None:
         self.cache = cache
+        self.keys: dict[int, Tensor] = {}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.update(k, v, layer)  # (B, H_kv, T_past + T, D) each
+        states = self.cache.__dict__.setdefault("_lssar_key_norms", {})
+        before, state = _layer_keys(self.cache, layer), states.get(layer)
+        if state is None or not state.holds(before):
+            state = states[layer] = _NormState(KeyNorms())
+        keys, values = self.cache.update(k, v, layer)  # (B, H_kv, T_past + T, D) each
+        state.keys, state.version = weakref.ref(keys), keys._version
+        self.keys[layer] = keys
+        return keys, values
+
+    def key_norms(self, layer: int) -> Tensor | None:
+        """``1 / ||k_j||`` of the keys the last :meth:`update` of ``layer`` returned."""
+        keys = self.keys.get(layer)
+        state = self.cache.__dict__.get("_lssar_key_norms", {}).get(layer)
+        return None if keys is None or state is None else state.norms.extend(keys)
+
+
+@dataclasses.dataclass
+class _NormState:
+    """A layer's key norms and the keys tensor (weakly) and version they were kept for."""
+
+    norms: KeyNorms
+    keys: Any = None
+    version: int = -1
+
+    def holds(self, keys: Tensor | None) -> bool:
+        """Whether ``keys`` is that very tensor, unmodified since."""
+        return (
+            keys is not None
+            and self.keys is not None
+            and self.keys() is keys
+            and (keys._version == self.version)
+        )
 
 
 class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):

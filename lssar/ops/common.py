@@ -351,10 +351,11 @@ def separate_rows(x: Tensor) -> Tensor:
     """``x (.., T, D)`` itself when its rows lie apart in memory (unit last stride, a row stride
     of at least ``D`` that fits an int), else a contiguous copy.
 
-    Kernels that take the row stride as a leading dimension assume it: BLAS (the ``cpu``
-    decode entry) and torch's CPU flash attention (``sdpa``). Legal views break it, an
-    ``unfold`` window (row stride 1) or a cache expanded along time (stride 0), and the
-    kernels then read the wrong rows with no error."""
+    Kernels that take the row stride as a leading dimension assume it: torch's CPU flash
+    attention (``sdpa``), and the ``cpu`` decode entry by its contract (it refuses other row
+    strides; it handed them to BLAS once). Legal views break it, an ``unfold`` window (row
+    stride 1) or a cache expanded along time (stride 0), and such kernels then read the wrong
+    rows with no error."""
     if x.stride(-1) == 1 and x.shape[-1] <= x.stride(-2) < 2**31:
         return x
     return x.contiguous()
