@@ -243,6 +243,35 @@ def test_bf16_fast_rounding(name, p):
     _check(name, p, q, k, v, causal=True, mult=(4.0, 4.0), precise=False)
 
 
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
+def test_deterministic_backward(name, p):
+    """deterministic=True: dq from its own kernel (no atomics), held to the same rule as the
+    default (dq added in the dk/dv kernel with atomics); the two agree to rounding."""
+    q, k, v = _inputs(1, 4, 2, 21, 21, 32, torch.float32, seed=3)
+    det = _check(name, p, q, k, v, causal=True, gqa=True, deterministic=True)
+    fused = _check(name, p, q, k, v, causal=True, gqa=True)
+    for a, b in zip(det, fused):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    q, k, v = _inputs(2, 2, 2, 9, 12, 32, torch.bfloat16, seed=11)
+    mask = torch.rand(2, 1, 9, 12, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask[0, 0, 4] = False  # a fully masked row
+    _check(name, p, q, k, v, mask=mask, deterministic=True)
+
+
+def test_deterministic_follows_torch_flag(monkeypatch):
+    """torch.use_deterministic_algorithms(True) selects the deterministic backward."""
+    launched = []
+    monkeypatch.setattr(tk, "_launch", lambda kernel, *a, **kw: launched.append(kernel.fn.__name__))
+    q, k, v = _inputs(1, 2, 2, 9, 9, 16, torch.float32)
+    args = (None, True, 2.77, True, True, 15.0, True)
+    out, stats, aux = tk._forward(q, k, v, *args)
+    for flag, dq_kernel in ((False, False), (True, True)):
+        launched.clear()
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda f=flag: f)
+        tk._backward(torch.zeros_like(out), q, k, v, out, None, stats, aux, *args[1:], False)
+        assert ("bwd_dq_kernel" in launched) == dq_kernel, launched
+
+
 def test_value_head_dim_differs():
     q, k, _ = _inputs(1, 2, 2, 10, 10, 32, torch.float32, seed=6)
     v = _inputs(1, 2, 2, 10, 10, 48, torch.float32, seed=7)[2]
@@ -294,10 +323,12 @@ def test_tf32_follows_torch_flag(monkeypatch, dtype):
     args = (None, True, 2.77, True, True, 15.0, True)
 
     def flags() -> list[bool]:
-        seen = []
-        monkeypatch.setattr(tk, "_launch", lambda *a, **kw: seen.append(kw["IEEE"]))
-        out, stats = tk._forward(q, k, v, *args)
-        tk._backward(torch.zeros_like(out), q, k, v, out, None, stats, *args[1:])
+        seen = []  # every launch with a matrix product: forward, dq (deterministic), dk/dv
+        monkeypatch.setattr(
+            tk, "_launch", lambda *a, **kw: "IEEE" in kw and seen.append(kw["IEEE"])
+        )
+        out, stats, aux = tk._forward(q, k, v, *args)
+        tk._backward(torch.zeros_like(out), q, k, v, out, None, stats, aux, *args[1:], True)
         return seen
 
     fp32 = dtype == torch.float32
@@ -305,11 +336,11 @@ def test_tf32_follows_torch_flag(monkeypatch, dtype):
     before = matmul.allow_tf32
     try:
         matmul.allow_tf32 = False
-        assert flags() == [fp32] * 4
+        assert flags() == [fp32] * 3
         matmul.allow_tf32 = True
-        assert flags() == [False] * 4
+        assert flags() == [False] * 3
         monkeypatch.setattr(knobs.language, "fp32_default", "ieee")
-        assert flags() == [fp32] * 4
+        assert flags() == [fp32] * 3
     finally:
         matmul.allow_tf32 = before
 

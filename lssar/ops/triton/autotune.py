@@ -43,19 +43,19 @@ SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the sup
 # forward at head dim 128: 64x32 tile, 4 warps: 64 + 3 * 16 = 112 words, spills; 64x64, 8 warps:
 # 80, does not; dk/dv at 256, 64x32, 8 warps: 152, spills; at 128, 32x32, 4 warps: 120, does
 # not. Tiles within the limits that spilled anyway are listed in MEASURED_SPILLS.
-REG_BUDGET = {"fwd": 80, "rows": 48, "dq": 80, "dkdv": 120}
+REG_BUDGET = {"fwd": 160, "dq": 160, "dkdv": 120}
 # The same for fp32 inputs on TF32 tensor cores (IEEE=False): the MMA operands are 32-bit, twice
 # the registers of half-precision ones. Set from 192 kept builds (lssar d64/128/256 causal, d128
 # with sinks, non-causal with a mask, lssa d128; sm_80 and sm_90) under the half-precision budgets:
 # 9 spilled 12-40 B (fwd at 80 words, dq at 40-56, dk/dv at 54 and 70); ptxas runs several of the
 # rest at 250-255 registers. Tiles within these that spilled anyway: MEASURED_SPILLS ("tf32").
-TF32_REG_BUDGET = {"fwd": 64, "rows": 48, "dq": 32, "dkdv": 44}
+TF32_REG_BUDGET = {"fwd": 64, "dq": 32, "dkdv": 44}
 # fp32 inputs multiply on FMA units (IEEE, no tensor cores): each thread then holds a slice of
 # both operands, which spills at any tile above a few score elements per thread (measured: 2 fit
 # at head dim 256 with 4 warps, except where MEASURED_SPILLS says; 1, with 8 warps, fits there
 # too; 4 spill). dk/dv's transposed FMA products spill at every tile when software pipelined
 # (num_stages > 1), even 16x16; unpipelined, one score per thread fits at 256.
-FMA_SCORES_PER_THREAD = {"fwd": 2, "rows": 2, "dq": 2, "dkdv": 1}
+FMA_SCORES_PER_THREAD = {"fwd": 2, "dq": 2, "dkdv": 1}
 
 
 def _live_words(
@@ -74,7 +74,7 @@ def _live_words(
     a dk/dv program holds dk or dv, not both (``ONE_GRAD``)."""
     threads = 32 * warps
     grads = max(bd, bdv) if one_grad else bd + bdv
-    acc = {"fwd": bm * bdv, "rows": 0, "dq": bm * bd, "dkdv": bn * grads}[kind]
+    acc = {"fwd": bm * bdv, "dq": bm * bd, "dkdv": bn * grads}[kind]
     reloaded = bm * (bd + bdv) * esize / 4 if kind == "dkdv" else 0
     return (acc + reloaded + 3 * bm * bn) / threads
 
@@ -118,11 +118,6 @@ MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
             ("fwd", 128, "half", 16, 64, 4, 2),
             ("fwd", 256, "half", 16, 64, 4, 2),
             ("fwd", 256, "half", 16, 32, 4, 2),
-            ("rows", 64, "half", 64, 64, 8, 3),  # 8 B sm_80 lssar full
-            ("rows", 128, "half", 128, 32, 8, 2),
-            ("rows", 128, "half", 64, 64, 8, 3),
-            ("rows", 128, "half", 64, 64, 8, 2),
-            ("rows", 128, "half", 64, 32, 8, 2),
             ("dq", 64, "half", 64, 64, 8, 3),
             ("dq", 64, "half", 64, 64, 8, 2),
             ("dq", 128, "half", 64, 64, 8, 3),
@@ -151,8 +146,6 @@ MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
             ("dkdv", 128, "tf32", 16, 16, 4, 2),  # 12 B, sm_90, lssar mask (over the budget)
             ("fwd", 64, "tf32", 64, 64, 8, 3),  # 44 B, sm_80, lssar sinks
             ("fwd", 64, "tf32", 64, 64, 8, 2),  # 44 B, sm_80, lssar sinks
-            ("rows", 64, "tf32", 64, 64, 8, 3),  # 28 B, sm_80, lssar mask
-            ("rows", 64, "tf32", 64, 64, 8, 2),  # 32 B, sm_80, lssar mask
             ("dkdv", 64, "tf32", 32, 32, 8, 2),  # 4 B, sm_90, lssar mask
             ("dkdv", 64, "tf32", 16, 32, 8, 2),  # 8 B, sm_80, lssa causal
             ("dkdv", 256, "tf32", 16, 16, 8, 1),  # 16 B, sm_80, lssar sinks (128 registers)
@@ -160,7 +153,6 @@ MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
             # spill (4-20 B, sm_80, capped at 80 / 128 registers)
             ("fwd", 128, "ieee", 16, 16, 4, 2),  # 4 B lssar full
             ("fwd", 256, "ieee", 16, 16, 4, 2),  # 4 B lssar full, 16 B sinks
-            ("rows", 256, "ieee", 16, 16, 8, 2),  # 4 B lssar full
         ],
         ANYWHERE,
     ),
@@ -171,10 +163,7 @@ MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
     ("fwd", 64, "half", 64, 64, 8, 2): frozenset({MASK}),
     **dict.fromkeys(
         [
-            ("rows", 128, "ieee", 16, 16, 4, 2),  # 8 B sm_80 with sinks (0 on sm_90)
             ("dq", 64, "half", 64, 32, 4, 2),
-            ("rows", 256, "half", 16, 64, 4, 2),
-            ("rows", 64, "half", 128, 32, 8, 2),  # 8 B sm_80 lssar sinks
             ("dkdv", 128, "half", 16, 16, 8, 1),
             ("dkdv", 256, "half", 16, 16, 8, 1),
             ("dq", 256, "ieee", 16, 16, 8, 2),  # 8-12 B lssar sinks
@@ -335,7 +324,10 @@ def _pruner(kind: str):
 # warps come first.
 _ROW_CONFIGS = _configs(
     [
+        (128, 64, 8, 2),
+        (128, 128, 8, 2),
         (128, 32, 8, 2),
+        (64, 64, 4, 2),
         (64, 32, 4, 2),
         (64, 64, 8, 3),
         (64, 64, 8, 2),
@@ -377,10 +369,14 @@ _COL_CONFIGS += _configs(
 
 def _tuned(kernel, configs: list[triton.Config], kind: str):
     prune = {"early_config_prune": _pruner(kind)}
-    return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by=prune)(kernel)
+    key = _TUNE_KEY + [k for k in ("LOG_N", "FUSED_DQ") if k in kernel.arg_names]
+    return triton.autotune(configs, key=key, prune_configs_by=prune)(kernel)
 
 
 fwd_tuned = _tuned(fwd_kernel, _ROW_CONFIGS, "fwd")
-rows_tuned = _tuned(bwd_rows_kernel, _ROW_CONFIGS, "rows")
+# the backward's per-row kernel has no key loop: one small tile (no spill at head dim 256), no
+# tuning
+ROWS_CONFIG = triton.Config({"BM": 16}, num_warps=4, num_stages=1, maxnreg=MAXNREG)
+rows_tuned = triton.autotune([ROWS_CONFIG], key=["BDV"])(bwd_rows_kernel)
 dq_tuned = _tuned(bwd_dq_kernel, _ROW_CONFIGS, "dq")
 dkdv_tuned = _tuned(bwd_dkdv_kernel, _COL_CONFIGS, "dkdv")

@@ -64,7 +64,7 @@ ARCHS = (80, 90)
 SEQ_LEN = 1024
 BATCH, HEADS = 2, 4  # not 1: the JIT would turn H = 1 into a constant
 
-_SCHEMA = 2  # version of the measurements' format: part of the cache key
+_SCHEMA = 3  # version of the measurements' format: part of the cache key (3: per-loop counts, FLOP)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -87,6 +87,7 @@ class Case:
     spans: str = ""  # a key of _SPANS
     tf32: bool = False
     precise: bool = True
+    deterministic: bool = False
 
     @property
     def label(self) -> str:
@@ -95,7 +96,15 @@ class Case:
         flags += f" {self.spans}" if self.spans else ""
         flags += " tf32" if self.tf32 else ""
         flags += "" if self.precise else " fast"
+        flags += " det" if self.deterministic else ""
         return f"{self.variant} d{self.head_dim} {self.dtype} {flags}"
+
+
+def _both_backwards(cases: list[Case]) -> list[Case]:
+    """``cases`` with the default backward (dq fused into dk/dv) and each again with
+    ``deterministic=True`` (the dq kernel, dk/dv without atomics); the forward and rows launches
+    of a twin are the same builds (compiled once)."""
+    return cases + [dataclasses.replace(c, deterministic=True) for c in cases]
 
 
 # the spans of a case: documents of SEQ_LEN // 3 and the rest, a 256-key window, 4 sinks
@@ -107,10 +116,12 @@ def grid(name: str) -> list[Case]:
 
     ``full``: head dim 64/128/256 x bf16/fp16/fp32 x causal or not x lssa/lssar x mask or not,
     and the same head dims, dtypes and variants with causal spans (window, window + sinks), and
-    fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans).
-    ``reduced`` (the default test run): the combinations whose resources differ most (head dim 128
-    in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case; one
-    with spans and sinks, the superset of the span code; one with ``precise=False``); causal, mask
+    fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans),
+    each with the default backward (dq fused into dk/dv) and with ``deterministic=True`` (the dq
+    kernel). ``reduced`` (the default test run): the combinations whose resources differ most
+    (head dim 128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one
+    masked case; one with spans and sinks, the superset of the span code; one with
+    ``precise=False``; one with ``deterministic=True``); causal, mask
     and spans add a few integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases
     with TF32 allowed that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a
     mask, sinks, a window; lssa 64/128). ``fast``: the ``full`` grid's bf16 / fp16 cases with
@@ -145,7 +156,7 @@ def grid(name: str) -> list[Case]:
             for v in ("lssa", "lssar")
             for sp in ("window", "sinks")
         ]
-        return plain + spans + tf32
+        return _both_backwards(plain + spans + tf32)
     if name == "reduced":
         return [
             Case(128, "bf16", True, "lssar", False),
@@ -156,6 +167,7 @@ def grid(name: str) -> list[Case]:
             Case(128, "fp16", False, "lssar", True),
             Case(128, "bf16", True, "lssar", False, "sinks"),
             Case(128, "bf16", True, "lssar", False, precise=False),
+            Case(128, "bf16", True, "lssar", False, deterministic=True),
         ]
     if name == "tf32":  # the cases TF32_REG_BUDGET and the "tf32" MEASURED_SPILLS were set on
         return [
@@ -247,24 +259,9 @@ def launches(case: Case) -> list[Launch]:
         recorded.append(Launch(_NAMES.get(name, name), kernel, tuned, a, kw))
 
     with mock.patch.object(host, "_launch", record), _allow_tf32(case.tf32):
-        out, stats = host._forward(q, k, v, *args, spans)
-        mask_, causal, c_, log_n_, qk_norm, p_, precise = args
-        host._backward(
-            torch.zeros_like(out),
-            q,
-            k,
-            v,
-            out,
-            mask_,
-            stats,
-            causal,
-            c_,
-            log_n_,
-            qk_norm,
-            p_,
-            precise,
-            spans,
-        )
+        out, stats, aux = host._forward(q, k, v, *args, spans)
+        grad = torch.zeros_like(out)
+        host._backward(grad, q, k, v, out, mask, stats, aux, *args[1:], case.deterministic, spans)
     return recorded
 
 

@@ -83,6 +83,7 @@ def _launch(kernel, tuned, rows: int, parallel: int, *args: Any, **kwargs: Any) 
     dkdv = kernel is K.bwd_dkdv_kernel
     if _interpreting():
         meta = {"BM": INTERPRET_BLOCK, "BN": INTERPRET_BLOCK, **(INTERPRET_DKDV if dkdv else {})}
+        meta = {k: v for k, v in meta.items() if k in kernel.arg_names}
         grid = (triton.cdiv(rows, INTERPRET_BLOCK) * parallel * _programs_per_block(meta),)
         kernel[grid](*args, **meta, **kwargs)
         return
@@ -211,8 +212,9 @@ class _Launch:
             self.mstrides = self.m.stride()
         # spans: each row's key bounds (int32 planes); without them a placeholder pointer
         self.sp = stats if spans is None else _span_planes(spans)
-        pp = 1.0 if p is None else p
-        self.scalars = (H, H // hk, t_q, t_k, t_k - t_q, B * H * t_q, scale, pp, UNIFORM_TOL)
+        self.p = 1.0 if p is None else p
+        self.scale = scale
+        self.plane = B * H * t_q
         self.keys = (_len_key(t_q), _len_key(t_k))
         self.meta = dict(
             D=d,
@@ -232,6 +234,15 @@ class _Launch:
             HAS_SINKS=spans is not None and spans.sink_lo is not None,
         )
 
+    def sizes(self) -> tuple:
+        """``H, G, T_q, T_k, off, plane`` (the kernels' leading scalars)."""
+        return (self.H, self.H // self.HK, self.t_q, self.t_k, self.t_k - self.t_q, self.plane)
+
+    def kw(self, kernel, **extra: Any) -> dict[str, Any]:
+        """The constexprs ``kernel`` takes, from :attr:`meta` and ``extra``."""
+        names = set(kernel.arg_names)
+        return {k: v for k, v in {**self.meta, **extra}.items() if k in names}
+
     def strides(self, *ts: Tensor) -> tuple[int, ...]:
         return tuple(s for t in ts for s in t.stride()[:3])
 
@@ -241,6 +252,10 @@ def _contiguous_last(x: Tensor) -> Tensor:
 
 
 def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=None):
+    """``(out, stats, aux)``: the output, the rows' ``(N, mu, x_max, W)`` (fp32
+    ``(4, B, H, T_q)``) and, for LSSAR, ``p / (W x_max) (U - S out)`` per row (fp32
+    ``(B, H, T_q, BDV)``, :func:`lssar.ops.triton.kernels.fwd_kernel`; empty for LSSA), which the
+    backward turns into ``F_i`` with no pass over the keys."""
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
@@ -249,8 +264,10 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=
     buf_dtype = torch.float32 if _interpreting() and q.dtype == torch.bfloat16 else q.dtype
     out = torch.zeros(B, H, t_q, v.shape[-1], dtype=buf_dtype, device=q.device)
     stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=q.device)  # N, mu, x_max, W
+    aux_shape = (B, H, t_q, _pow2(v.shape[-1])) if p is not None else (0,)
+    aux = torch.zeros(aux_shape, dtype=torch.float32, device=q.device)
     if t_q == 0 or t_k == 0 or B * H == 0:
-        return out, stats
+        return out, stats, aux
     if spans is None:
         n = visible_counts(mask, is_causal, t_q, t_k, q.device)  # (B|1, H|1, T_q|1, 1)
     else:
@@ -262,17 +279,24 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=
         A.fwd_tuned,
         t_q,
         B * H,
-        q, k, v, out, stats, L.iq, L.ik, L.m, L.sp,
+        q, k, v, out, stats, aux, L.iq, L.ik, L.m, L.sp,
         *L.strides(q, k, v, out), *L.mstrides,
-        *L.scalars, *L.keys,
-        **L.meta,
+        *L.sizes(), L.scale, L.p, UNIFORM_TOL, *L.keys,
+        **L.kw(K.fwd_kernel),
     )  # fmt: skip
-    return out.to(q.dtype), stats
+    return out.to(q.dtype), stats, aux
+
+
+def _deterministic(deterministic: bool) -> bool:
+    """The backward's dq: deterministic (its own kernel) if asked for or if torch's
+    ``torch.use_deterministic_algorithms(True)`` is in force; else fused into dk/dv (atomics)."""
+    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
 
 
 def _backward(
-    grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise, spans=None
-):
+    grad, q, k, v, out, mask, stats, aux, is_causal, scale, log_n, qk_norm, p, precise,
+    deterministic=False, spans=None,
+):  # fmt: skip
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     grad, out = _contiguous_last(grad), _contiguous_last(out)
     B, H, t_q, d = q.shape
@@ -283,40 +307,42 @@ def _backward(
     key_rows = stats if spans is None else _key_rows(spans, t_q)  # dk/dv: rows seeing each key
     bd, bdv = L.meta["BD"], L.meta["BDV"]
     dev = q.device
-    df = torch.empty(2, B, H, t_q, dtype=torch.float32, device=dev)  # D_i, F_i
-    dq = torch.empty(B, H, t_q, bd, dtype=torch.float32, device=dev)
+    rc = torch.empty(K.RC_PLANES, B, H, t_q, dtype=torch.float32, device=dev)  # row coefficients
+    fused = not _deterministic(deterministic)
+    dq = (torch.zeros if fused else torch.empty)(B, H, t_q, bd, dtype=torch.float32, device=dev)
     dk = torch.empty(B, hk, t_k, bd, dtype=torch.float32, device=dev)
     dvv = torch.empty(B, hk, t_k, bdv, dtype=torch.float32, device=dev)
-    common = (*L.scalars, *L.keys)
     _launch(
         K.bwd_rows_kernel,
         A.rows_tuned,
         t_q,
         B * H,
-        q, k, v, out, grad, stats, df, L.iq, L.ik, L.m, L.sp,
-        *L.strides(q, k, v, out, grad), *L.mstrides,
-        *common,
-        **L.meta,
+        out, grad, stats, aux, rc, L.iq,
+        *L.strides(out, grad),
+        H, t_q, L.plane, L.scale, L.p,
+        **L.kw(K.bwd_rows_kernel),
     )  # fmt: skip
-    _launch(
-        K.bwd_dq_kernel,
-        A.dq_tuned,
-        t_q,
-        B * H,
-        q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, dq,
-        *L.strides(q, k, v, grad), *L.mstrides,
-        *common,
-        **L.meta,
-    )  # fmt: skip
+    sizes = (*L.sizes(), L.p, *L.keys)
+    if not fused:
+        _launch(
+            K.bwd_dq_kernel,
+            A.dq_tuned,
+            t_q,
+            B * H,
+            q, k, v, grad, rc, L.ik, L.m, L.sp, dq,
+            *L.strides(q, k, v, grad), *L.mstrides,
+            *sizes,
+            **L.kw(K.bwd_dq_kernel),
+        )  # fmt: skip
     _launch(
         K.bwd_dkdv_kernel,
         A.dkdv_tuned,
         t_k,
         B * hk,
-        q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, key_rows, dk, dvv,
+        q, k, v, grad, rc, L.ik, L.m, L.sp, key_rows, dk, dvv, dq,
         *L.strides(q, k, v, grad), *L.mstrides,
-        *common,
-        **L.meta,
+        *sizes,
+        **L.kw(K.bwd_dkdv_kernel, FUSED_DQ=fused),
     )  # fmt: skip
     dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]
     if qk_norm:
@@ -336,17 +362,20 @@ def triton_softplus_attention_op(
     qk_norm: bool,
     p: float | None,
     precise: bool,
+    deterministic: bool = False,
     lo: Tensor | None = None,
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
     sink_hi: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward. ``q (B,H_q,T_q,D)``, ``k (B,H_kv,T_k,D)``, ``v (B,H_kv,T_k,D_v)`` ->
-    ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W).
+    ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W,
+    ``aux`` fp32: LSSAR's ``(B,H_q,T_q,BDV)`` vectors for ``F_i``, empty for LSSA).
 
     ``scale`` is ``ln(D)`` when ``log_n`` (then ``c_i = scale * ln N_i``), else the constant ``c``;
     ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None;
-    ``precise`` splits half-precision weights into two products (see :func:`triton_attention`).
+    ``precise`` splits half-precision weights into two products, ``deterministic`` keeps the
+    backward's dq in its own kernel (see :func:`triton_attention`).
     ``lo .. sink_hi``: a :class:`lssar.ops.spans.KeySpans`' ``(T_q,)`` vectors (documents, a
     window, sinks; ``is_causal`` folded in), or None.
     """
@@ -355,9 +384,14 @@ def triton_softplus_attention_op(
 
 
 @triton_softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, *spans):
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic=False, *spans):
     B, H, t_q, _ = q.shape
-    return q.new_empty(B, H, t_q, v.shape[-1]), q.new_empty(4, B, H, t_q, dtype=torch.float32)
+    aux_shape = (B, H, t_q, _pow2(v.shape[-1])) if p is not None else (0,)
+    return (
+        q.new_empty(B, H, t_q, v.shape[-1]),
+        q.new_empty(4, B, H, t_q, dtype=torch.float32),
+        q.new_empty(aux_shape, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("lssar::triton_softplus_attention_backward", mutates_args=())
@@ -369,12 +403,14 @@ def triton_softplus_attention_backward_op(
     out: Tensor,
     mask: Tensor | None,
     stats: Tensor,
+    aux: Tensor,
     is_causal: bool,
     scale: float,
     log_n: bool,
     qk_norm: bool,
     p: float | None,
     precise: bool,
+    deterministic: bool,
     lo: Tensor | None = None,
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
@@ -383,29 +419,29 @@ def triton_softplus_attention_backward_op(
     """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``; dk/dv summed over
     each GQA group."""
     spans = _spans(lo, hi, sink_lo, sink_hi, k.shape[2])
-    args = (is_causal, scale, log_n, qk_norm, p, precise, spans)
-    return _backward(grad, q, k, v, out, mask, stats, *args)
+    args = (is_causal, scale, log_n, qk_norm, p, precise, deterministic, spans)
+    return _backward(grad, q, k, v, out, mask, stats, aux, *args)
 
 
 @triton_softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise, *spans):
+def _(grad, q, k, v, out, mask, stats, aux, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, *spans = inputs
-    out, stats = output
-    ctx.save_for_backward(q, k, v, out, mask, stats, *spans)
-    ctx.args = (is_causal, scale, log_n, qk_norm, p, precise)
-    ctx.mark_non_differentiable(stats)
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic, *spans = inputs
+    out, stats, aux = output
+    ctx.save_for_backward(q, k, v, out, mask, stats, aux, *spans)
+    ctx.args = (is_causal, scale, log_n, qk_norm, p, precise, deterministic)
+    ctx.mark_non_differentiable(stats, aux)
 
 
-def _autograd_backward(ctx, grad, _grad_stats):
-    q, k, v, out, mask, stats, *spans = ctx.saved_tensors
+def _autograd_backward(ctx, grad, _grad_stats, _grad_aux):
+    q, k, v, out, mask, stats, aux, *spans = ctx.saved_tensors
     dq, dk, dv = triton_softplus_attention_backward_op(
-        grad.contiguous(), q, k, v, out, mask, stats, *ctx.args, *spans
+        grad.contiguous(), q, k, v, out, mask, stats, aux, *ctx.args, *spans
     )
-    return dq, dk, dv, *(None,) * (7 + len(spans))
+    return dq, dk, dv, *(None,) * (8 + len(spans))
 
 
 triton_softplus_attention_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -424,6 +460,7 @@ def triton_attention(
     variant: Variant,
     options: dict[str, Any],
     precise: bool = True,
+    deterministic: bool = False,
     spans: KeySpans | None = None,
 ) -> Tensor:
     """Fused softplus-l1 attention (lssa, lssar, softplus-l1; any ``p``) on Triton.
@@ -464,7 +501,7 @@ def triton_attention(
     if variant.qk_norm:  # divide by the largest entry first: the in-kernel norm then sees
         # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant
         query, key = _unit_scale(query), _unit_scale(key)
-    out, _ = triton_softplus_attention_op(
+    out, _, _ = triton_softplus_attention_op(
         query,
         key,
         value,
@@ -475,6 +512,7 @@ def triton_attention(
         bool(variant.qk_norm),
         None if p is None else float(p),
         bool(precise),
+        bool(deterministic),
         *(() if spans is None else (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)),
     )
     return out
