@@ -284,11 +284,12 @@ class Build:
 
 
 def _config_label(cfg: triton.Config) -> str:
-    """``"BMxBN wW sS"``, then the dk/dv formulation's flags that are set (``key-major``,
-    ``one-grad``)."""
+    """``"BMxBN wW sS"`` (``"BM wW sS"`` for a kernel without key blocks), then the dk/dv
+    formulation's flags that are set (``key-major``, ``one-grad``)."""
     kw = cfg.kwargs
     flags = "".join(f" {f}" for k, f in _FLAGS.items() if kw.get(k, False))
-    return f"{kw['BM']}x{kw['BN']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
+    tile = f"{kw['BM']}x{kw['BN']}" if "BN" in kw else str(kw["BM"])  # rows: no key blocks
+    return f"{tile} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 
 _FLAGS = {"KEY_MAJOR": "key-major", "ONE_GRAD": "one-grad"}

@@ -90,37 +90,62 @@ def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr)
 
 
 @triton.jit
-def _softplus_parts(s):
-    # softplus(s) = max(s, 0) + log1p(u), u = 2^(-|s| log2 e) in (0, 1]: one MUFU.EX2 (exp2 is
-    # ex2.approx.ftz; tl.exp adds a subnormal guard: 3 more instructions; u flushes to 0 below
-    # s = -87.3 instead of -103). log1p(u) = u * P(u), P a degree-8 fit of log1p(u) / u on
-    # [0, 1] (relative error 2.6e-8; <= 2.4 ulp in fp32 Horner, measured against float64 over u
-    # in [2^-40, 1]): 9 FMA-class instructions instead of libdevice's logf (~20, no MUFU: Triton
-    # 3.9 lowers tl.log and tl.log2 to __nv_logf / __nv_log2f, not lg2.approx) plus a correction.
-    # No lg2.approx: its error is 2^-22 absolute on [0.5, 2], i.e. relative 1.7e-7 / log1p(u):
-    # 4e-3 at s = -10. w = 1 + u is for the sigmoid only (unused lanes are dead code).
-    u = tl.exp2(tl.abs(s) * -1.4426950408889634)
-    c = 0.005383966024965048 * u - 0.030110584571957588
-    c = c * u + 0.07921013236045837
-    c = c * u - 0.1374657154083252
-    c = c * u + 0.19145092368125916
-    c = c * u - 0.24852940440177917
-    c = c * u + 0.33320343494415283
-    c = c * u - 0.49999552965164185
-    c = c * u + 1.0
-    return tl.maximum(s, 0.0) + c * u, u, 1.0 + u
+def _log2_1p_over(u, POLY: tl.constexpr):
+    # log2(1 + u) / u on [0, 1], a polynomial of degree POLY (8 for fp32 inputs, 6 or 5 for half
+    # precision: lssar.ops.triton.host) fitted for the least maximal relative error (Lawson's
+    # iteration); errors of u * P(u) against float64 in fp32 Horner over u in [2^-40, 1]:
+    # degree 8: 1.5e-7, 6: 1.4e-6, 5: 8.5e-6 (fits: 3.0e-8, 1.3e-6, 8.4e-6)
+    if POLY == 8:
+        c = 0.0075492286 * u - 0.042567346
+        c = c * u + 0.11285685
+        c = c * u - 0.19711973
+        c = c * u + 0.2756419
+        c = c * u - 0.35840863
+        c = c * u + 0.48069298
+        c = c * u - 0.72134024
+        c = c * u + 1.442695
+    elif POLY == 6:
+        c = 0.02040137 * u - 0.095798425
+        c = c * u + 0.21528599
+        c = c * u - 0.3390901
+        c = c * u + 0.47766876
+        c = c * u - 0.7211595
+        c = c * u + 1.4426932
+    else:
+        tl.static_assert(POLY == 5, "POLY: 8, 6 or 5")
+        c = -0.034436397 * u + 0.14603472
+        c = c * u - 0.3030385
+        c = c * u + 0.46917528
+        c = c * u - 0.72042644
+        c = c * u + 1.442683
+    return c
 
 
 @triton.jit
-def _softplus(s):
-    sp, _, _ = _softplus_parts(s)
+def _softplus_parts(t, POLY: tl.constexpr):
+    # Softplus in base 2 (ln 2 cancels in every l1 normalisation and in r = x / x_max):
+    # softplus(s) / ln 2 = log2(1 + 2^t) = max(t, 0) + log2(1 + u), t = s log2(e) (the row scale
+    # carries log2 e: _row_scale), u = 2^-|t| in (0, 1]: one MUFU.EX2 (ex2.approx.ftz; u flushes
+    # to 0 below t = -126) and u P(u) (_log2_1p_over: POLY + 1 FMA-class instructions, no
+    # MUFU: Triton 3.9 lowers tl.log2 to libdevice's __nv_log2f, ~20 instructions). Not
+    # lg2.approx(1 + u): its error is ~2^-22 absolute near 1, a relative error of ~2^(t - 22) in
+    # log2(1 + u) for t < 0 (12% at t = -19, where a row of large negative scores has all its
+    # weights). w = 1 + u is for the sigmoid only (unused lanes are dead code).
+    u = tl.exp2(-tl.abs(t))
+    return tl.maximum(t, 0.0) + _log2_1p_over(u, POLY) * u, u, 1.0 + u
+
+
+@triton.jit
+def _softplus(t, POLY: tl.constexpr):
+    sp, _, _ = _softplus_parts(t, POLY)
     return sp
 
 
 @triton.jit
-def _softplus_sigmoid(s):
-    sp, u, w = _softplus_parts(s)
-    return sp, tl.where(s >= 0, 1.0 / w, u / w)  # sigmoid from the same exp(-|s|)
+def _softplus_sigmoid(t, POLY: tl.constexpr):
+    # (softplus(s) / ln 2, sigmoid(s)) of t = s log2(e): d log2(1 + 2^t) / dt = sigmoid(s)
+    sp, u, w = _softplus_parts(t, POLY)
+    return sp, tl.where(t >= 0, 1.0 / w, u / w)  # sigmoid from the same 2^-|t|
 
 
 @triton.jit
@@ -141,12 +166,14 @@ def _sharpen(a, mu, inv_xmax, p, P_INT: tl.constexpr):
     # (r^p, r^(p-1)) for r = relu(a - mu) / x_max; r^(p-1) := 0 where r = 0 (dx = 0 there, and
     # r^(p-1) is 1 or unbounded at r = 0 for p <= 1). P_INT > 0: integer p, exact products.
     r = tl.maximum(a - mu[:, None], 0.0) * inv_xmax[:, None]
-    pos = r > 0
-    if P_INT > 0:
+    if P_INT > 1:  # r^(p-1) is 0 at r = 0 already
         rpm1 = _ipow(r, P_INT - 1)
     else:
-        rpm1 = tl.exp2((p - 1.0) * tl.log2(tl.where(pos, r, 1.0)))
-    rpm1 = tl.where(pos, rpm1, 0.0)
+        pos = r > 0
+        if P_INT == 1:
+            rpm1 = tl.where(pos, 1.0, 0.0)
+        else:
+            rpm1 = tl.where(pos, tl.exp2((p - 1.0) * tl.log2(tl.where(pos, r, 1.0))), 0.0)
     return rpm1 * r, rpm1
 
 
@@ -350,11 +377,13 @@ def _span_query_rows(KR, offs_n, kmask, Tq, Tk, BM: tl.constexpr):
 
 @triton.jit
 def _row_scale(n, c0, IQr, rows, rmask, LOG_N: tl.constexpr, QK_NORM: tl.constexpr):
-    # c_i (times 1/|q_i| when q is normalised in-kernel): ln(d) ln(N_i), or the constant scale.
+    # c_i log2(e) (times 1/|q_i| when q is normalised in-kernel): the scores come out as
+    # t = s log2(e), softplus's base-2 argument (_softplus_parts); c_i = ln(d) ln(N_i), or the
+    # constant scale.
     if LOG_N:
-        c = c0 * tl.log(tl.maximum(n, 1.0))
+        c = c0 * 1.4426950408889634 * tl.log(tl.maximum(n, 1.0))
     else:
-        c = tl.zeros(n.shape, tl.float32) + c0
+        c = tl.zeros(n.shape, tl.float32) + c0 * 1.4426950408889634
     if QK_NORM:
         c = c * tl.load(IQr + rows, mask=rmask, other=0.0)
     return c
@@ -454,14 +483,14 @@ def _fwd_stats_tile(
     z, mx, start_n, ctx,
     D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, MASKED: tl.constexpr,
+    HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     # LSSAR pass 1 over one key block: Z_i += sum_j softplus(s_ij), m_i = max(m_i, max_j s_ij)
     _, _, _, s = _row_tile_scores(
         start_n, *ctx, D, BD, BN, CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
         MASKED,
     )  # fmt: skip
-    return z + tl.sum(_softplus(s), 1), tl.maximum(mx, tl.max(s, 1))
+    return z + tl.sum(_softplus(s, POLY), 1), tl.maximum(mx, tl.max(s, 1))
 
 
 @triton.jit
@@ -470,7 +499,8 @@ def _fwd_out_tile(
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, MASKED: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
     # the output pass over one key block: acc += w V, W_i += sum_j w_ij (w = 0 where not
     # visible); LSSAR also U += r^(p-1) V and S_i += sum_j r^(p-1), which give the backward's
@@ -479,7 +509,7 @@ def _fwd_out_tile(
         start_n, *ctx, D, BD, BN, CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
         MASKED,
     )  # fmt: skip
-    w = _softplus(s)
+    w = _softplus(s, POLY)
     v = _ld(Vb, start_n, svt, offs_dv, offs_n < Tk, DV, BDV, BN, MASKED)
     if REWEIGHT:
         r, rpm1 = _sharpen(w, mu, inv_xmax, p, P_INT)
@@ -497,7 +527,7 @@ def fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # Each pass: the clean key blocks (no mask, no compare), then the masked ones (the causal
@@ -534,18 +564,18 @@ def fwd_kernel(
         for start_n in range(0, c_end, BN):
             z, mx = _fwd_stats_tile(
                 z, mx, start_n, ctx, D, BD, BN,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, False,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, POLY, False,
             )  # fmt: skip
         for it in range(k_lo, k_hi, BN):
             start_n = _skip_gap(it, split, shift, HAS_SINKS)
             z, mx = _fwd_stats_tile(
                 z, mx, start_n, ctx, D, BD, BN,
-                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, True,
+                CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, POLY, True,
             )  # fmt: skip
         mu = tl.where(n > MIN_KEYS, z / tl.maximum(n, 1.0), 0.0)
         # softplus is monotone: the row's largest x is softplus(max s) - mu (0 for empty rows);
         # deviations within tol * mu of the mean are rounding noise: a uniform row, LSSA weights
-        xmax = tl.maximum(_softplus(mx) - mu, 0.0)
+        xmax = tl.maximum(_softplus(mx, POLY) - mu, 0.0)
         xmax = tl.where(xmax > tol * mu, xmax, 0.0)
     has = xmax > 0
     inv_xmax = 1.0 / tl.where(has, xmax, 1.0)
@@ -561,13 +591,13 @@ def fwd_kernel(
     for start_n in range(0, c_end, BN):
         acc, wsum, uacc, s2 = _fwd_out_tile(
             acc, wsum, uacc, s2, start_n, ctx, *row, D, DV, BD, BDV, BN, CAUSAL, HAS_MASK,
-            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, False,
+            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, False,
         )  # fmt: skip
     for it in range(k_lo, k_hi, BN):
         start_n = _skip_gap(it, split, shift, HAS_SINKS)
         acc, wsum, uacc, s2 = _fwd_out_tile(
             acc, wsum, uacc, s2, start_n, ctx, *row, D, DV, BD, BDV, BN, CAUSAL, HAS_MASK,
-            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, True,
+            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, True,
         )  # fmt: skip
     winv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
     out = acc * winv[:, None]
@@ -657,14 +687,15 @@ def _dq_tile(
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, MASKED: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
     # one key block of dq: dS K with dS scaled by c_i / (|q_i| |k_j|)
     offs_n, k, ik, s = _row_tile_scores(
         start_n, *ctx, D, BD, BN, CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
         MASKED,
     )  # fmt: skip
-    a, sig = _softplus_sigmoid(s)
+    a, sig = _softplus_sigmoid(s, POLY)
     v = _ld(Vb, start_n, svt, offs_dv, offs_n < Tk, DV, BDV, BN, MASKED)
     dp = _dot(go, tl.trans(v), IEEE, UPCAST)
     _, ds = _probs_dscores(a, sig, dp, mu, inv_xmax, has, coef, fn, d, winv, p, P_INT, REWEIGHT)
@@ -682,7 +713,7 @@ def bwd_dq_kernel(
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # dq_fix_i = sum_j ds_ij c_i / (|q_i| |k_j|) k_j (gradient at fixed norms), fp32 (B,H,Tq,BD):
@@ -713,13 +744,13 @@ def bwd_dq_kernel(
     for start_n in range(0, c_end, BN):
         dq = _dq_tile(
             dq, start_n, ctx, *row, D, DV, BD, BDV, BN, CAUSAL, HAS_MASK, QK_NORM, REWEIGHT,
-            P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, False,
+            P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, False,
         )  # fmt: skip
     for it in range(k_lo, k_hi, BN):
         start_n = _skip_gap(it, split, shift, HAS_SINKS)
         dq = _dq_tile(
             dq, start_n, ctx, *row, D, DV, BD, BDV, BN, CAUSAL, HAS_MASK, QK_NORM, REWEIGHT,
-            P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, True,
+            P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, True,
         )  # fmt: skip
     _store_rows(DQ, rows, dq, rmask, D, BD)
 
@@ -733,7 +764,7 @@ def _dkdv_tile(
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
     BM: tl.constexpr, KEY_MAJOR: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr,
-    FUSED_DQ: tl.constexpr, MASKED: tl.constexpr,
+    FUSED_DQ: tl.constexpr, POLY: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     # the query block at start_m of one head's contribution to a key block's dk (BN, BD) and / or
     # dv (BN, BDV), and with FUSED_DQ its dq (BM, BD), added to DQ with fp32 atomics. dv alone
@@ -754,7 +785,7 @@ def _dkdv_tile(
         CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS, KEY_MAJOR, MASKED,
     )  # fmt: skip
     if WANT_DK:
-        a, sig = _softplus_sigmoid(s)
+        a, sig = _softplus_sigmoid(s, POLY)
         if KEY_MAJOR:
             dp = tl.trans(_dot(v, tl.trans(go), IEEE, UPCAST))
         else:
@@ -778,7 +809,7 @@ def _dkdv_tile(
             else:
                 tl.atomic_add(ptr, dq, mask=offs_d[None, :] < D, sem="relaxed")
     else:
-        prob, _ = _probs(_softplus(s), mu, inv_xmax, has, winv, p, P_INT, REWEIGHT)
+        prob, _ = _probs(_softplus(s, POLY), mu, inv_xmax, has, winv, p, P_INT, REWEIGHT)
         dv += _dot_lp(tl.trans(prob), go, IEEE, UPCAST, SPLIT)
     return dk, dv
 
@@ -817,7 +848,7 @@ def _dkdv_loop(
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, KEY_MAJOR: tl.constexpr,
-    WANT_DK: tl.constexpr, WANT_DV: tl.constexpr, FUSED_DQ: tl.constexpr,
+    WANT_DK: tl.constexpr, WANT_DV: tl.constexpr, FUSED_DQ: tl.constexpr, POLY: tl.constexpr,
 ):  # fmt: skip
     # dk / dv of one key block, summed in registers over the G query heads of its GQA group and
     # the query blocks that can see it: the clean blocks, then the masked ones.
@@ -836,14 +867,14 @@ def _dkdv_loop(
             dk, dv = _dkdv_tile(
                 dk, dv, start_m, *ctx, D, DV, BD, BDV, CAUSAL, HAS_MASK, QK_NORM,
                 REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, KEY_MAJOR,
-                WANT_DK, WANT_DV, FUSED_DQ, False,
+                WANT_DK, WANT_DV, FUSED_DQ, POLY, False,
             )  # fmt: skip
         for it in range(m_lo, m_end, BM):
             start_m = it + tl.where(it >= c_lo, c_hi - c_lo, 0)
             dk, dv = _dkdv_tile(
                 dk, dv, start_m, *ctx, D, DV, BD, BDV, CAUSAL, HAS_MASK, QK_NORM,
                 REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, KEY_MAJOR,
-                WANT_DK, WANT_DV, FUSED_DQ, True,
+                WANT_DK, WANT_DV, FUSED_DQ, POLY, True,
             )  # fmt: skip
     return dk, dv
 
@@ -863,7 +894,7 @@ def bwd_dkdv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr,
     FUSED_DQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KEY_MAJOR: tl.constexpr,
     ONE_GRAD: tl.constexpr,
 ):  # fmt: skip
@@ -909,21 +940,21 @@ def bwd_dkdv_kernel(
             dk, _ = _dkdv_loop(
                 dk, dv, *loop, D, DV, BD, BDV, CAUSAL, HAS_MASK, QK_NORM, REWEIGHT,
                 P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, BN, KEY_MAJOR, True, False,
-                FUSED_DQ,
+                FUSED_DQ, POLY,
             )  # fmt: skip
             _store_rows(DK, kv_rows, dk, kmask, D, BD)
         else:
             _, dv = _dkdv_loop(
                 dk, dv, *loop, D, DV, BD, BDV, CAUSAL, HAS_MASK, QK_NORM, REWEIGHT,
                 P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, BN, KEY_MAJOR, False, True,
-                False,
+                False, POLY,
             )  # fmt: skip
             _store_rows(DVO, kv_rows, dv, kmask, DV, BDV)
     else:
         dk, dv = _dkdv_loop(
             dk, dv, *loop, D, DV, BD, BDV, CAUSAL, HAS_MASK, QK_NORM, REWEIGHT,
             P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, BM, BN, KEY_MAJOR, True, True,
-            FUSED_DQ,
+            FUSED_DQ, POLY,
         )  # fmt: skip
         _store_rows(DK, kv_rows, dk, kmask, D, BD)
         _store_rows(DVO, kv_rows, dv, kmask, DV, BDV)
