@@ -56,11 +56,14 @@ from torch import Tensor
 from lssar.ops.common import NORM_EPS, as_4d, inv_norm, uniform_tolerance, visible_counts
 from lssar.ops.spans import KeySpans, span_counts
 from lssar.ops.triton import autotune as A
+from lssar.ops.triton import decode as DEC
 from lssar.ops.triton import kernels as K
 from lssar.ops.variants import Variant
 
 MAX_HEAD_DIM = 256
 INTERPRET_BLOCK = 16  # tl.dot needs tiles of at least 16
+INTERPRET_SMS = 8  # the SMs a decode step is split for when interpreted (tests see several slices)
+DECODE_MAX_QUERIES = 16  # a call with at most this many queries and no gradient is a decode step
 # the dk/dv formulation launched when interpreted (the GPU's autotuner picks it per config:
 # lssar.ops.triton.autotune); tests set it to run the sm_90 wgmma formulations
 INTERPRET_DKDV = {"KEY_MAJOR": False, "ONE_GRAD": False}
@@ -77,20 +80,26 @@ def _interpreting() -> bool:
 def _launch(kernel, tuned, rows: int, parallel: int, *args: Any, **kwargs: Any) -> None:
     """Launch ``ceil(rows / block) * parallel`` programs on a 1-D grid (axis 0 takes 2^31 - 1
     programs, axis 1 only 65,535: large batch x heads would not launch); the kernels split the
-    program id back into (block, batch*head). The dk/dv kernel's ``ONE_GRAD`` configs take two
+    program id back into (block, batch*head). The block is ``BM`` (row kernels), ``BN`` (dk/dv)
+    or one (decode: ``rows`` slices). The dk/dv kernel's ``ONE_GRAD`` configs take two
     programs per key block (one for dk, one for dv). Fixed 16x16 tiles when interpreted (dk/dv
     with :data:`INTERPRET_DKDV`'s formulation)."""
     dkdv = kernel is K.bwd_dkdv_kernel
+    block = "BN" if dkdv else None if kernel is DEC.decode_kernel else "BM"
     if _interpreting():
         meta = {"BM": INTERPRET_BLOCK, "BN": INTERPRET_BLOCK, **(INTERPRET_DKDV if dkdv else {})}
-        meta = {k: v for k, v in meta.items() if k in kernel.arg_names}
-        grid = (triton.cdiv(rows, INTERPRET_BLOCK) * parallel * _programs_per_block(meta),)
+        meta = {k: v for k, v in meta.items() if k in kernel.arg_names and k not in kwargs}
+        size = 1 if block is None else INTERPRET_BLOCK
+        grid = (triton.cdiv(rows, size) * parallel * _programs_per_block(meta),)
         kernel[grid](*args, **meta, **kwargs)
         return
-    block = "BN" if dkdv else "BM"
-    tuned[lambda meta: (triton.cdiv(rows, meta[block]) * parallel * _programs_per_block(meta),)](
-        *args, **kwargs
-    )
+    tuned[
+        lambda meta: (
+            triton.cdiv(rows, 1 if block is None else meta[block])
+            * parallel
+            * _programs_per_block(meta),
+        )
+    ](*args, **kwargs)
 
 
 def _programs_per_block(meta: dict) -> int:
@@ -361,6 +370,78 @@ def _backward(
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype)
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (:data:`INTERPRET_SMS` when interpreted)."""
+    if _interpreting():
+        return INTERPRET_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise) -> Tensor:
+    """A decode step on :mod:`lssar.ops.triton.decode`'s split-K kernels (forward only):
+    ``(B, H, T_q, D_v)`` in ``q``'s dtype. The host adds the slices' partial sums."""
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    B, H, t_q, _ = q.shape
+    hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g, dev = H // hk, q.device
+    stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=dev)  # N (the rest unused)
+    stats[0] = visible_counts(mask, is_causal, t_q, t_k, dev).squeeze(-1).expand(B, H, t_q)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, None)
+    bm, bdv = DEC.rows_per_program(g, t_q), L.meta["BDV"]
+    align = INTERPRET_BLOCK if _interpreting() else DEC.MAX_BN
+    nsplit, span = DEC.splits(B * hk, t_k, _sm_count(dev), align)
+    f32 = dict(dtype=torch.float32, device=dev)
+    part = torch.empty(nsplit, B * hk, bm, bdv, **f32)  # sum_j w_ij v_j per slice
+    prow = torch.empty(3, nsplit, B * hk, bm, **f32)  # Z_i, max_j t_ij, W_i per slice
+    scores = torch.empty(B * hk, bm, t_k, **f32) if p is not None else stats  # LSSAR's t_ij
+    for step in (1, 2) if p is not None else (2,):
+        _launch(
+            DEC.decode_kernel,
+            DEC.decode_tuned,
+            nsplit,
+            B * hk,
+            q, k, v, stats, L.iq, L.ik, L.m, scores, part, prow,
+            *L.strides(q, k, v), *L.mstrides,
+            *L.sizes(), L.scale, L.p, UNIFORM_TOL, nsplit, span, B * hk,
+            **L.kw(DEC.decode_kernel, PASS=step, BM=bm),
+        )  # fmt: skip
+    w = prow[2].sum(0)  # (B * hk, bm)
+    out = part.sum(0) / torch.where(w > 0, w, 1.0).unsqueeze(-1)
+    out = out[:, : g * t_q, :dv].reshape(B, hk, g, t_q, dv).reshape(B, H, t_q, dv)
+    return out.to(q.dtype)
+
+
+@torch.library.custom_op("lssar::triton_softplus_decode", mutates_args=())
+def triton_softplus_decode_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    log_n: bool,
+    qk_norm: bool,
+    p: float | None,
+    precise: bool,
+) -> Tensor:
+    """A decode step, forward only (no autograd): the arguments as
+    :func:`triton_softplus_attention_op`'s; ``out (B,H_q,T_q,D_v)`` in ``q``'s dtype."""
+    return _decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise)
+
+
+@triton_softplus_decode_op.register_fake
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+def _decode_step(query: Tensor, key: Tensor, value: Tensor, spans: KeySpans | None) -> bool:
+    """Whether a call runs on the decode kernels: at most :data:`DECODE_MAX_QUERIES` queries,
+    their GQA group's rows fit one tile (:func:`lssar.ops.triton.decode.applies`), and no
+    gradient to record."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return query.shape[2] <= DECODE_MAX_QUERIES and DEC.applies(query, key, spans) and not grad
+
+
 @torch.library.custom_op("lssar::triton_softplus_attention", mutates_args=())
 def triton_softplus_attention_op(
     q: Tensor,
@@ -512,6 +593,11 @@ def triton_attention(
     if variant.qk_norm:  # divide by the largest entry first: the in-kernel norm then sees
         # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant
         query, key = _unit_scale(query), _unit_scale(key)
+    if _decode_step(query, key, value, spans):
+        args = (float(c), log_n, bool(variant.qk_norm), None if p is None else float(p))
+        return triton_softplus_decode_op(
+            query, key, value, attn_mask, bool(is_causal), *args, bool(precise)
+        )
     out, _, _ = triton_softplus_attention_op(
         query,
         key,
