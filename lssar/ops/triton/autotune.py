@@ -361,7 +361,9 @@ _COL_CONFIGS = _configs(
     KEY_MAJOR=False,
     ONE_GRAD=False,
 )
-_COL_CONFIGS += _configs([(16, 64, 4, 2)], KEY_MAJOR=True, ONE_GRAD=False)
+_COL_CONFIGS += _configs(
+    [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2)], KEY_MAJOR=True, ONE_GRAD=False
+)
 _COL_CONFIGS += _configs(
     [(16, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)], KEY_MAJOR=True, ONE_GRAD=True
 )
