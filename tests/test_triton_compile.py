@@ -66,17 +66,22 @@ def _assert_clean(rows: list[dict], report: str) -> None:
 
 def test_reduced_grid_covers_every_kernel_and_arch(reduced):
     rows, _ = reduced
-    kernels = {"fwd", "rows", "dq", "dkdv"}
-    assert {r["kernel"] for r in rows} == kernels
+    assert {r["kernel"] for r in rows} == {"fwd", "rows", "dq", "dkdv", "decode1", "decode2"}
     assert {r["arch"] for r in rows} == {80, 90}
     assert all(r["kept"] for r in rows)
+    # the default backward (dq fused into dk/dv): forward, row coefficients, dk/dv; the
+    # deterministic one adds the dq kernel
+    default = {"fwd", "rows", "dkdv"}
     # key spans with sinks (HAS_SPANS, HAS_SINKS): every kernel, both archs
     assert {(r["kernel"], r["arch"]) for r in rows if r["spans"] == "sinks"} == {
-        (k, a) for k in kernels for a in (80, 90)
+        (k, a) for k in default for a in (80, 90)
     }
     # precise=False (SPLIT=False: half-precision weights rounded once): every kernel, both archs
     assert {(r["kernel"], r["arch"]) for r in rows if not r["precise"]} == {
-        (k, a) for k in kernels for a in (80, 90)
+        (k, a) for k in default for a in (80, 90)
+    }
+    assert {(r["kernel"], r["arch"]) for r in rows if r["deterministic"]} == {
+        (k, a) for k in default | {"dq"} for a in (80, 90)
     }
 
 
@@ -102,11 +107,11 @@ def test_sm90_half_precision_main_loops_use_wgmma(reduced):
     rows, _ = reduced
     checked = 0
     for r in rows:
+        if r["kernel"] == "rows":  # per-row work only, no matrix product
+            continue
         bm, bn = (int(x) for x in r["config"].split()[0].split("x"))
         m = max(bm, bn) if r["kernel"] == "dkdv" else bm
         if r["arch"] != 90 or r["dtype"] == "fp32" or m < 64:
-            continue
-        if r["kernel"] == "rows" and r["variant"] == "lssa":
             continue
         checked += 1
         assert r["hgmma"] > 0, f"{r['case']} {r['kernel']} {r['config']}: no HGMMA"
@@ -114,13 +119,15 @@ def test_sm90_half_precision_main_loops_use_wgmma(reduced):
 
 
 def test_spilling_config_is_detected(tmp_path):
-    # The check must be able to fail: a tile measured to spill (dq, head dim 128, 64x64, 8 warps,
-    # 3 stages on sm_90: ~200 B) is compiled, flagged by problems() when the autotuner could pick
-    # it, and the autotuner's pruning must not keep it.
+    # The check must be able to fail (a planted regression): a tile measured to spill (the LSSAR
+    # forward at head dim 128, bf16, precise=False, 128x128, 8 warps, 2 stages on sm_90: 255
+    # registers and ~280 B spill stores) is compiled, flagged by problems() when the autotuner
+    # could pick it, and the autotuner's pruning must not keep it.
     res = _run_json(
         tmp_path,
-        "b = [x for x in cc.builds([cc.Case(128, 'bf16', True, 'lssar', False)], (90,))\n"
-        "     if x.kernel == 'dq' and x.config == '64x64 w8 s3']\n"
+        "case = cc.Case(128, 'bf16', True, 'lssar', False, precise=False)\n"
+        "b = [x for x in cc.builds([case], (90,))\n"
+        "     if x.kernel == 'fwd' and x.config == '128x128 w8 s2']\n"
         "kept = b[0].kept\n"
         "b[0].kept = True\n"
         "rows = cc.run(b, 1)\n"
@@ -130,22 +137,6 @@ def test_spilling_config_is_detected(tmp_path):
     assert row["ok"] and row["spill_store"] > 0, row
     assert any("spills" in p for p in res["problems"])
     assert not res["kept"], "the autotuner may pick a config that spills"
-
-
-def test_fp32_rows_with_sinks_kept_configs_do_not_spill(tmp_path):
-    # fp32 rows kernel, head dim 128, key spans with sinks: the pipelined 16x16 w4 s2 tile
-    # spilled 8 B on sm_80; the tile kept now (16x16 w8 s2, one score per thread) compiles clean
-    # on sm_80 and sm_90.
-    res = _run_json(
-        tmp_path,
-        "case = cc.Case(128, 'fp32', True, 'lssar', False, 'sinks')\n"
-        "b = [x for x in cc.builds([case], (80, 90), kept_only=True) if x.kernel == 'rows']\n"
-        "rows = cc.run(b, 2)\n"
-        "print(json.dumps({'rows': rows, 'problems': cc.problems(rows)}))\n",
-    )
-    assert {r["arch"] for r in res["rows"]} == {80, 90}
-    assert all(r["ok"] for r in res["rows"]), res["rows"]
-    assert not res["problems"], res["problems"]
 
 
 def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
@@ -166,11 +157,13 @@ def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
     for mode in ("False", "True"):
         assert not res[mode]["problems"], res[mode]["problems"]
         assert {(r["kernel"], r["arch"]) for r in res[mode]["rows"]} == {
-            (k, a) for k in ("fwd", "rows", "dq", "dkdv") for a in (80, 90)
+            (k, a) for k in ("fwd", "rows", "dkdv") for a in (80, 90)
         }
     for r in res["False"]["rows"]:
         assert r["hmma"] == r["hgmma"] == 0, r
     for r in res["True"]["rows"]:
+        if r["kernel"] == "rows":  # per-row work, no product
+            continue
         assert r["hmma"] + r["hgmma"] > 0, r
         bm = int(r["config"].split("x")[0])
         if r["arch"] == 90 and r["kernel"] != "dkdv" and bm >= 64:
@@ -240,13 +233,9 @@ def test_unpipelined_row_tile_is_only_a_fallback():
         cfgs = prune(A._ROW_CONFIGS, args, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
         return [(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in cfgs]
 
-    # measured: fp32 rows at head dim 128 with spans spill on sm_80 in 16x16 w4 s2; the 8-warp
-    # tile (one score per thread) is pipelined and kept instead
-    assert kept("rows", 128, True, True) == [(16, 16, 8, 2)]
-    assert kept("rows", 128, True, False) == [(16, 16, 4, 2), (16, 16, 8, 2)]
     # TF32 forward at head dim 256: every pipelined tile spilled somewhere, so the unpipelined one
     assert kept("fwd", 256, False, False, tf32=True) == [(16, 16, 4, 1)]
-    for kind in ("fwd", "rows", "dq"):
+    for kind in ("fwd", "dq"):
         for bd in (64, 128, 256):
             for spans in (False, True):
                 assert all(c[3] > 1 for c in kept(kind, bd, True, spans)), (kind, bd, spans)
@@ -280,7 +269,7 @@ def test_pruning_keeps_a_config_and_drops_measured_spills(bd, precision):
 
     ieee, tf32 = precision == "ieee", precision == "tf32"
     q = torch.zeros(1, dtype=torch.bfloat16 if precision == "half" else torch.float32)
-    lists = {"fwd": A._ROW_CONFIGS, "rows": A._ROW_CONFIGS, "dq": A._ROW_CONFIGS}
+    lists = {"fwd": A._ROW_CONFIGS, "dq": A._ROW_CONFIGS}
     lists["dkdv"] = A._COL_CONFIGS
     launches = [(1, False, False), (1024, False, False), (1024, True, False), (1024, False, True)]
     launches.append((1024, True, True))
@@ -332,6 +321,45 @@ def test_measured_spills_apply_where_they_were_measured():
     assert A._measured("dkdv", col, 128, 128, False, True, False)  # half, spans
     assert not A._measured("dkdv", col, 128, 128, False, False, False)  # half, no spans
     assert not A._measured("dkdv", col, 128, 128, False, True, True)  # tf32, spans
+
+
+def test_pruning_is_per_arch():
+    """A tile that spilled on one arch only is pruned there and kept on the other (the LSSAR
+    forward at head dim 64, bf16 with a mask, 64x64 w8 s2: sm_80 only); the two-warpgroup row
+    tiles are kept on sm_90 only, where measured (MEASURED_WGMMA_ROWS), and never for a launch
+    unlike the measured ones."""
+    import torch
+    import triton
+
+    from lssar.ops.triton import autotune as A
+
+    tile = triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=2)
+    assert A.SPILL_ARCHS[("fwd", 64, "half", 64, 64, 8, 2)] == {80}
+    assert not A.fits("fwd", tile, 64, 64, False, mask=True, arch=80)
+    assert A.fits("fwd", tile, 64, 64, False, mask=True, arch=90)
+    assert not A.fits("fwd", tile, 64, 64, False, mask=True)  # arch unknown: pruned
+    assert A.fits("fwd", tile, 64, 64, False, arch=80)  # it spilled with a mask only
+    ((kind, bm, bn, w, st), where), *_ = A.MEASURED_WGMMA_ROWS.items()
+    (bd, reweight, split), *_ = where
+    big = triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
+    flags = dict(reweight=reweight, split=split)
+    assert A.fits(kind, big, bd, bd, False, arch=90, **flags)
+    assert not A.fits(kind, big, bd, bd, False, arch=80, **flags)
+    assert not A.fits(kind, big, bd, bd, False, mask=True, arch=90, **flags)
+    assert not A.fits(kind, big, bd, bd, True, arch=90, **flags)  # fp32 (IEEE)
+    # the autotuner's pruning asks the device (compile_check sets it per target arch)
+    prune = A._pruner(kind)
+    args = {"tq_key": 1024, "Q": torch.zeros(1, dtype=torch.bfloat16)}
+    kw = dict(BD=bd, BDV=bd, IEEE=False, REWEIGHT=reweight, SPLIT=split)
+    for arch, expect in ((80, False), (90, True)):
+        A_arch = A.device_arch
+        try:
+            A.device_arch = lambda arch=arch: arch
+            kept = prune(A._ROW_CONFIGS, args, **kw)
+            tiles = {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in kept}
+            assert ((bm, bn, w, st) in tiles) == expect, arch
+        finally:
+            A.device_arch = A_arch
 
 
 @pytest.mark.slow

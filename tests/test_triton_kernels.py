@@ -191,7 +191,7 @@ def test_one_grad_needs_both_programs_of_a_key_block(force_dkdv, monkeypatch):
     force_dkdv(True, True)
     monkeypatch.setattr(tk, "_programs_per_block", lambda meta: 1)
     q, k, v = _inputs(1, 4, 2, 21, 21, 32, torch.float32, seed=3)
-    with pytest.raises(AssertionError, match="dk|dv"):
+    with pytest.raises(AssertionError, match="dq|dk|dv"):  # dq: added by the dk programs
         _check("lssar", 15.0, q, k, v, causal=True, gqa=True)
 
 
@@ -281,6 +281,82 @@ def test_deterministic_follows_torch_flag(monkeypatch):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda f=flag: f)
         tk._backward(torch.zeros_like(out), q, k, v, out, None, stats, aux, *args[1:], False)
         assert ("bwd_dq_kernel" in launched) == dq_kernel, launched
+
+
+def _check_decode(name, p, q, k, v, mask=None, causal=True):
+    """A decode step (no gradient) against the float64 reference: within 2x the reference's own
+    error in the same dtype (the forward rule); returns the output."""
+    variant, opts = _variant(name, p)
+    kw = dict(is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], variant=variant, options=opts)
+    gold = reference_attention(q.double(), k.double(), v.double(), attn_mask=mask, **kw)
+    ref = reference_attention(q, k, v, attn_mask=mask, **kw)
+    dev_mask = None if mask is None else mask.to(DEVICE)
+    with torch.no_grad():
+        fast = tk.triton_attention(
+            q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), attn_mask=dev_mask, **kw
+        ).cpu()
+    assert fast.dtype == q.dtype and fast.shape == gold.shape and torch.isfinite(fast).all()
+    ref_err, fast_err = _rms(ref.double() - gold), _rms(fast.double() - gold)
+    assert fast_err <= max(2 * ref_err, FLOOR[q.dtype]), (fast_err, ref_err)
+    return fast
+
+
+@pytest.fixture
+def decode_spy(monkeypatch):
+    """Records the (nsplit, span) of every decode step the host splits (and so that it took the
+    decode kernels)."""
+    from lssar.ops.triton import decode
+
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(decode.splits.__wrapped__(*a, **kw))
+        return seen[-1]
+
+    spy.__wrapped__ = decode.splits
+    monkeypatch.setattr(decode, "splits", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0), ("lssar", 1.0)])
+@pytest.mark.parametrize("tq,tk,hq,hk", [(1, 300, 4, 2), (3, 40, 2, 2), (1, 1, 2, 1), (5, 3, 2, 2)])
+def test_decode_step(decode_spy, name, p, tq, tk, hq, hk):
+    """Split-K decode (GQA heads packed as rows; several cache slices at T_k = 300 on the
+    interpreter's 8 'SMs'), causal with T_q > T_k too (rows that see no key: zeros)."""
+    q, k, v = _inputs(2, hq, hk, tq, tk, 32, torch.float32, seed=tq + tk)
+    out = _check_decode(name, p, q, k, v)
+    assert len(decode_spy) == 1
+    if tk == 300:
+        assert decode_spy[0][0] > 1  # several slices: their partial sums are added
+    if tq > tk:
+        assert (out[:, :, : tq - tk] == 0).all()
+
+
+@pytest.mark.parametrize("name,p", [("lssa", None), ("lssar", 15.0)])
+def test_decode_step_masks_and_half_precision(decode_spy, name, p):
+    q, k, v = _inputs(2, 4, 2, 1, 150, 64, torch.bfloat16, seed=7)
+    pad = torch.ones(2, 1, 1, 150, dtype=torch.bool)
+    pad[1, ..., 120:] = False  # right padding of the second sequence
+    _check_decode(name, p, q, k, v, mask=pad)
+    q, k, v = _inputs(2, 2, 2, 3, 70, 32, torch.float16, seed=8)
+    per_head = torch.rand(2, 2, 3, 70, generator=torch.Generator().manual_seed(2)) > 0.4
+    per_head[0, 1, 2] = False  # a fully masked row: zeros
+    out = _check_decode(name, p, q, k, v, mask=per_head, causal=False)
+    assert (out[0, 1, 2] == 0).all()
+    assert len(decode_spy) == 2
+
+
+def test_decode_path_only_without_gradient(decode_spy):
+    """With a gradient to record (or more than 16 queries) a step runs the prefill kernels."""
+    variant, opts = _variant("lssar", 15.0)
+    q, k, v = _inputs(1, 2, 2, 2, 20, 16, torch.float32)
+    qg = q.clone().requires_grad_()
+    tk.triton_attention(qg, k, v, is_causal=True, variant=variant, options=opts).sum().backward()
+    assert decode_spy == [] and qg.grad is not None
+    with torch.no_grad():
+        q, k, v = _inputs(1, 2, 2, 17, 20, 16, torch.float32)
+        tk.triton_attention(q, k, v, is_causal=True, variant=variant, options=opts)
+    assert decode_spy == []
 
 
 def test_value_head_dim_differs():

@@ -43,7 +43,7 @@ SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the sup
 # forward at head dim 128: 64x32 tile, 4 warps: 64 + 3 * 16 = 112 words, spills; 64x64, 8 warps:
 # 80, does not; dk/dv at 256, 64x32, 8 warps: 152, spills; at 128, 32x32, 4 warps: 120, does
 # not. Tiles within the limits that spilled anyway are listed in MEASURED_SPILLS.
-REG_BUDGET = {"fwd": 160, "dq": 160, "dkdv": 120}
+REG_BUDGET = {"fwd": 80, "dq": 80, "dkdv": 120}
 # The same for fp32 inputs on TF32 tensor cores (IEEE=False): the MMA operands are 32-bit, twice
 # the registers of half-precision ones. Set from 192 kept builds (lssar d64/128/256 causal, d128
 # with sinks, non-causal with a mask, lssa d128; sm_80 and sm_90) under the half-precision budgets:
@@ -173,6 +173,56 @@ MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
     # 8 B sm_90 lssa with a window; 4 B sm_90 lssa causal with a mask
     ("dkdv", 256, "tf32", 16, 32, 8, 2): frozenset({SPANS, MASK}),
 }
+# The archs a MEASURED_SPILLS tile spilled on where that was one of the two (the rest: both): the
+# pruning is per arch (_measured), so such a tile stays a candidate on the other.
+SPILL_ARCHS: dict[tuple, frozenset[int]] = {
+    **dict.fromkeys(
+        [
+            ("fwd", 64, "half", 64, 64, 8, 2),
+            ("fwd", 64, "tf32", 128, 32, 8, 2),
+            ("fwd", 128, "tf32", 64, 64, 8, 2),
+            ("fwd", 64, "tf32", 64, 64, 8, 3),
+            ("fwd", 64, "tf32", 64, 64, 8, 2),
+            ("dkdv", 64, "tf32", 16, 32, 8, 2),
+            ("dkdv", 256, "tf32", 16, 16, 8, 1),
+            ("fwd", 128, "ieee", 16, 16, 4, 2),
+            ("fwd", 256, "ieee", 16, 16, 4, 2),
+        ],
+        frozenset({80}),
+    ),
+    **dict.fromkeys(
+        [
+            ("fwd", 128, "tf32", 16, 32, 4, 2),
+            ("fwd", 256, "tf32", 16, 16, 4, 2),
+            ("dq", 128, "tf32", 64, 32, 8, 2),
+            ("dq", 256, "tf32", 16, 32, 4, 2),
+            ("dkdv", 128, "tf32", 16, 32, 8, 2),
+            ("dkdv", 128, "tf32", 16, 16, 4, 2),
+            ("dkdv", 64, "tf32", 32, 32, 8, 2),
+            ("dkdv", 256, "tf32", 16, 32, 8, 2),
+        ],
+        frozenset({90}),
+    ),
+}
+
+
+def device_arch() -> int | None:
+    """The current CUDA device's compute capability as an integer (``80``, ``90``), or None
+    without one (the compile check sets it per target arch)."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+# Row tiles over two warpgroups (128 rows, 8 warps: on sm_90 each warpgroup's wgmma takes 64
+# rows, so no element-wise work is done twice, as it is in a 64-row tile with 8 warps): kept
+# only where measured without spills, per (kernel, BM, BN, num_warps, num_stages) -> the
+# (padded head dim, LSSAR, precise) launches on sm_90, half precision, neither mask nor spans.
+# Measured by compile_check (lssar.ops.triton.cost's cases: bf16, causal; see
+# benchmarks/RESULTS.md); not kept on sm_80 (not measured there).
+WGMMA_ROW_TILES = {(128, 64, 8, 2), (128, 128, 8, 2)}
+MEASURED_WGMMA_ROWS: dict[tuple, frozenset[tuple[int, bool, bool]]] = {}
 
 
 # Key-major dk/dv tiles (for sm_90's wgmma: all four products HGMMA): per (BM, BN, num_warps,
@@ -200,16 +250,25 @@ def fits(
     spans: bool = False,
     tf32: bool = False,
     mask: bool = False,
+    arch: int | None = None,
+    reweight: bool = True,
+    split: bool = True,
 ) -> bool:
     """Whether ``cfg`` is expected to run without register spills within shared memory for a
-    ``kind`` kernel ("fwd", "rows", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
+    ``kind`` kernel ("fwd", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
     fp32 inputs in IEEE fp32 (4-byte tiles, FMA dots); ``tf32``: fp32 inputs on TF32 tensor cores
     (``ieee`` False: 4-byte tiles, ``TF32_REG_BUDGET``); ``spans``, ``mask``: launched with key
-    spans (``HAS_SPANS``), a mask (``HAS_MASK``), for ``MEASURED_SPILLS``. Key-major dk/dv
-    tiles: where ``MEASURED_WGMMA_DKDV`` allows."""
+    spans (``HAS_SPANS``), a mask (``HAS_MASK``), for ``MEASURED_SPILLS``; ``arch``: the target
+    (``device_arch``; None: any), ``reweight`` (LSSAR), ``split`` (``precise``, hi + lo
+    products). Key-major dk/dv tiles: where ``MEASURED_WGMMA_DKDV`` allows; the two-warpgroup
+    row tiles (:data:`WGMMA_ROW_TILES`): where ``MEASURED_WGMMA_ROWS`` does."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
-    if _excluded(kind, cfg, bd, bdv, ieee, spans, tf32, mask):
+    if (bm, bn, w, st) in WGMMA_ROW_TILES and kind != "dkdv":
+        measured = MEASURED_WGMMA_ROWS.get((kind, bm, bn, w, st), frozenset())
+        plain = not (ieee or tf32 or spans or mask)
+        return plain and arch == 90 and (max(bd, bdv), reweight, split) in measured
+    if _excluded(kind, cfg, bd, bdv, ieee, spans, tf32, mask, arch):
         return False
     esize = 4 if ieee or tf32 else 2
     if _shared_bytes(kind, bm, bn, st, bd, bdv, esize) > SHARED_BUDGET:
@@ -232,14 +291,15 @@ def _excluded(
     spans: bool,
     tf32: bool,
     mask: bool,
+    arch: int | None = None,
 ) -> bool:
     """Whether ``cfg`` is ruled out for the launch whatever the estimates say: it spilled in a
-    measured launch like this one (:func:`_measured`), or it is a row tile with one score per
-    thread (16x16, 8 warps), which is for fp32 on FMA units only (on tensor cores it leaves half
-    the warps idle in every product)."""
+    measured launch like this one on this arch (:func:`_measured`), or it is a row tile with one
+    score per thread (16x16, 8 warps), which is for fp32 on FMA units only (on tensor cores it
+    leaves half the warps idle in every product)."""
     one_score = cfg.kwargs["BM"] * cfg.kwargs["BN"] < 64 * cfg.num_warps
     fma_only = not ieee and kind != "dkdv" and one_score
-    return fma_only or _measured(kind, cfg, bd, bdv, ieee, spans, tf32, mask)
+    return fma_only or _measured(kind, cfg, bd, bdv, ieee, spans, tf32, mask, arch)
 
 
 def _measured(
@@ -251,10 +311,11 @@ def _measured(
     spans: bool,
     tf32: bool,
     mask: bool = False,
+    arch: int | None = None,
 ) -> bool:
-    """Whether ``cfg`` spilled in a measured launch like this one (``MEASURED_SPILLS``; a
-    key-major dk/dv tile: whether the launch is outside where it was measured clean,
-    ``MEASURED_WGMMA_DKDV``)."""
+    """Whether ``cfg`` spilled in a measured launch like this one (``MEASURED_SPILLS``) on
+    ``arch`` (``SPILL_ARCHS``; None: on either); a key-major dk/dv tile: whether the launch is
+    outside where it was measured clean (``MEASURED_WGMMA_DKDV``)."""
     tile = (cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
     if cfg.kwargs.get("KEY_MAJOR", False):
         limit = MEASURED_WGMMA_DKDV.get((*tile, bool(cfg.kwargs["ONE_GRAD"])), 0)
@@ -264,7 +325,10 @@ def _measured(
     where = where or {PLAIN}
 
     def spilled(precision: str) -> frozenset[str]:
-        return MEASURED_SPILLS.get((kind, max(bd, bdv), precision, *tile), frozenset())
+        key = (kind, max(bd, bdv), precision, *tile)
+        if arch is not None and arch not in SPILL_ARCHS.get(key, frozenset({arch})):
+            return frozenset()  # it spilled on the other arch only
+        return MEASURED_SPILLS.get(key, frozenset())
 
     if ieee:
         hits = spilled("ieee")
@@ -289,15 +353,21 @@ def _pruner(kind: str):
     """The autotuner's ``early_config_prune`` for a ``kind`` kernel: drops configs that would
     spill or not fit (:func:`fits`), unpipelined row tiles (``num_stages=1``) where a pipelined
     one fits, and row tiles taller than the query block (decoding, ``T_q = 1``: saves tuning
-    time). Never returns an empty list: if nothing fits, the config with the fewest estimated
-    live words."""
+    time). Per target arch (:func:`device_arch`). Never returns an empty list: if nothing fits,
+    the config with the fewest estimated live words."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list:
         bd, bdv = kwargs["BD"], kwargs["BDV"]
         ieee, tf32 = precision(named_args, kwargs)
         spans = bool(kwargs.get("HAS_SPANS", False))
         mask = bool(kwargs.get("HAS_MASK", False))
-        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans, tf32, mask)]
+        arch = device_arch()
+        launch = dict(
+            arch=arch,
+            reweight=bool(kwargs.get("REWEIGHT", True)),
+            split=bool(kwargs.get("SPLIT", True)),
+        )
+        kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans, tf32, mask, **launch)]
         if kind != "dkdv":
             # unpipelined row tiles are a fallback, kept only where every pipelined one is pruned
             kept = [c for c in kept if c.num_stages > 1] or kept
@@ -306,7 +376,7 @@ def _pruner(kind: str):
             kept = short or kept[-1:]
         if not kept:  # the fewest live words, among the tiles not ruled out (_excluded) if any
             esize = 4 if ieee or tf32 else 2
-            flags = (ieee, spans, tf32, mask)
+            flags = (ieee, spans, tf32, mask, arch)
             pool = [c for c in configs if not _excluded(kind, c, bd, bdv, *flags)]
             kept = [min(pool or configs, key=lambda c: _cfg_words(kind, c, bd, bdv, esize))]
         return kept
@@ -362,7 +432,9 @@ _COL_CONFIGS = _configs(
     ONE_GRAD=False,
 )
 _COL_CONFIGS += _configs(
-    [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2)], KEY_MAJOR=True, ONE_GRAD=False
+    [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2)],
+    KEY_MAJOR=True,
+    ONE_GRAD=False,
 )
 _COL_CONFIGS += _configs(
     [(16, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)], KEY_MAJOR=True, ONE_GRAD=True

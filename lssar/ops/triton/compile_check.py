@@ -88,6 +88,7 @@ class Case:
     tf32: bool = False
     precise: bool = True
     deterministic: bool = False
+    decode: int = 0  # > 0: a decode step of this many packed query rows (G x T_q), no backward
 
     @property
     def label(self) -> str:
@@ -97,6 +98,7 @@ class Case:
         flags += " tf32" if self.tf32 else ""
         flags += "" if self.precise else " fast"
         flags += " det" if self.deterministic else ""
+        flags += f" decode{self.decode}" if self.decode else ""
         return f"{self.variant} d{self.head_dim} {self.dtype} {flags}"
 
 
@@ -118,10 +120,13 @@ def grid(name: str) -> list[Case]:
     and the same head dims, dtypes and variants with causal spans (window, window + sinks), and
     fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans),
     each with the default backward (dq fused into dk/dv) and with ``deterministic=True`` (the dq
-    kernel). ``reduced`` (the default test run): the combinations whose resources differ most
-    (head dim 128 in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one
-    masked case; one with spans and sinks, the superset of the span code; one with
-    ``precise=False``; one with ``deterministic=True``); causal, mask
+    kernel); and decode steps (head dim 64/128/256 x bf16/fp32 x lssa/lssar x a key padding mask
+    or not x 16 or 64 packed query rows: the decode kernel's BM). ``reduced`` (the default test
+    run): the combinations whose resources differ most (head dim 128 in bf16 and fp32, head dim
+    64 and 256 in bf16, causal, lssar; one lssa and one masked case; one with spans and sinks,
+    the superset of the span code; one with ``precise=False``; one with ``deterministic=True``;
+    a bf16 decode step with 16 rows and an fp32 one at head dim 256 with 64 rows and a mask);
+    causal, mask
     and spans add a few integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases
     with TF32 allowed that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a
     mask, sinks, a window; lssa 64/128). ``fast``: the ``full`` grid's bf16 / fp16 cases with
@@ -156,7 +161,15 @@ def grid(name: str) -> list[Case]:
             for v in ("lssa", "lssar")
             for sp in ("window", "sinks")
         ]
-        return _both_backwards(plain + spans + tf32)
+        decode = [
+            Case(d, dt, True, v, m, decode=rows)
+            for d in (64, 128, 256)
+            for dt in ("bf16", "fp32")
+            for v in ("lssa", "lssar")
+            for m in (False, True)
+            for rows in (16, 64)
+        ]
+        return _both_backwards(plain + spans + tf32) + decode
     if name == "reduced":
         return [
             Case(128, "bf16", True, "lssar", False),
@@ -168,6 +181,8 @@ def grid(name: str) -> list[Case]:
             Case(128, "bf16", True, "lssar", False, "sinks"),
             Case(128, "bf16", True, "lssar", False, precise=False),
             Case(128, "bf16", True, "lssar", False, deterministic=True),
+            Case(128, "bf16", True, "lssar", False, decode=16),
+            Case(256, "fp32", True, "lssar", True, decode=64),
         ]
     if name == "tf32":  # the cases TF32_REG_BUDGET and the "tf32" MEASURED_SPILLS were set on
         return [
@@ -213,6 +228,7 @@ _NAMES = {
     "bwd_rows_kernel": "rows",
     "bwd_dq_kernel": "dq",
     "bwd_dkdv_kernel": "dkdv",
+    "decode_kernel": "decode",
 }
 
 
@@ -229,7 +245,8 @@ def _allow_tf32(on: bool):
 
 
 def launches(case: Case) -> list[Launch]:
-    """The launches ``host._forward`` and ``host._backward`` make for ``case`` (recorded)."""
+    """The launches ``host._forward`` and ``host._backward`` make for ``case`` (recorded), or
+    ``host._decode``'s for a decode case."""
     if K.INTERPRETED:
         raise RuntimeError(
             "the kernels were decorated for the interpreter: unset TRITON_INTERPRET and rerun"
@@ -239,6 +256,10 @@ def launches(case: Case) -> list[Launch]:
     shape = (BATCH, HEADS, SEQ_LEN, case.head_dim)
     q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
     mask = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool) if case.mask else None
+    if case.decode:  # one kv head for the HEADS query heads, decode // HEADS queries each
+        q = torch.zeros(BATCH, HEADS, case.decode // HEADS, case.head_dim, dtype=dtype)
+        k, v = (torch.zeros(BATCH, 1, SEQ_LEN, case.head_dim, dtype=dtype) for _ in range(2))
+        mask = torch.ones(BATCH, 1, 1, SEQ_LEN, dtype=torch.bool) if case.mask else None
     c, log_n = variant.softplus_scale(case.head_dim, None)
     p = variant.options.get("p")
     p = None if p is None else float(p)
@@ -255,10 +276,17 @@ def launches(case: Case) -> list[Launch]:
     recorded: list[Launch] = []
 
     def record(kernel, tuned, rows, parallel, *a, **kw):
-        name = kernel.fn.__name__
-        recorded.append(Launch(_NAMES.get(name, name), kernel, tuned, a, kw))
+        name = _NAMES.get(kernel.fn.__name__, kernel.fn.__name__)
+        name += str(kw["PASS"]) if name == "decode" else ""  # LSSAR's two decode launches
+        name += "-train" if kw.get("FOLD_F") else ""  # LSSAR's forward for a backward
+        recorded.append(Launch(name, kernel, tuned, a, kw))
 
     with mock.patch.object(host, "_launch", record), _allow_tf32(case.tf32):
+        if case.decode:
+            host._decode(q, k, v, *args)
+            return recorded
+        if p is not None:  # LSSAR's inference forward (no F_i vectors; LSSA's is the same)
+            host._forward(q, k, v, *args, spans, for_backward=False)
         out, stats, aux = host._forward(q, k, v, *args, spans)
         grad = torch.zeros_like(out)
         host._backward(grad, q, k, v, out, mask, stats, aux, *args[1:], case.deterministic, spans)
@@ -283,10 +311,11 @@ class Build:
     key: str  # cache key
 
 
-def _config_label(cfg: triton.Config) -> str:
+def _config_label(cfg: triton.Config, launch: dict | None = None) -> str:
     """``"BMxBN wW sS"`` (``"BM wW sS"`` for a kernel without key blocks), then the dk/dv
-    formulation's flags that are set (``key-major``, ``one-grad``)."""
-    kw = cfg.kwargs
+    formulation's flags that are set (``key-major``, ``one-grad``); a tile size the launch
+    passes itself (the decode kernel's ``BM``) from ``launch``."""
+    kw = {**(launch or {}), **cfg.kwargs}
     flags = "".join(f" {f}" for k, f in _FLAGS.items() if kw.get(k, False))
     tile = f"{kw['BM']}x{kw['BN']}" if "BN" in kw else str(kw["BM"])  # rows: no key blocks
     return f"{tile} w{cfg.num_warps} s{cfg.num_stages}{flags}"
@@ -311,13 +340,14 @@ def specialise(kernel, args: tuple, kwargs: dict, arch: int) -> tuple[dict, dict
 
 
 def _risk(ln: Launch, cfg: triton.Config) -> tuple[float, int]:
-    if ln.name not in A.REG_BUDGET:  # a kernel the estimates do not know: every config is risky
+    kind = ln.name.removesuffix("-train")
+    if kind not in A.REG_BUDGET:  # a kernel the estimates do not know: every config is risky
         return float("inf"), 0
     bm, bn, bd, bdv = cfg.kwargs["BM"], cfg.kwargs["BN"], ln.kwargs["BD"], ln.kwargs["BDV"]
     ieee, tf32 = A.precision(dict(zip(ln.kernel.arg_names, ln.args)), ln.kwargs)
     esize = 4 if ieee or tf32 else 2
-    words = A._cfg_words(ln.name, cfg, bd, bdv, esize)
-    return words, A._shared_bytes(ln.name, bm, bn, cfg.num_stages, bd, bdv, esize)
+    words = A._cfg_words(kind, cfg, bd, bdv, esize)
+    return words, A._shared_bytes(kind, bm, bn, cfg.num_stages, bd, bdv, esize)
 
 
 def _cache_key(kernel, signature, constexprs, attrs, options, arch) -> str:
@@ -341,19 +371,20 @@ def builds(
     for case in cases:
         for ln in launches(case):
             nargs = dict(zip(ln.kernel.arg_names, ln.args))
-            pruned = ln.tuned.configs
-            if ln.tuned.early_config_prune:
-                pruned = ln.tuned.early_config_prune(ln.tuned.configs, nargs, **ln.kwargs)
-            chosen = pruned if kept_only or riskiest else ln.tuned.configs
-            if riskiest:
-                chosen = sorted(chosen, key=lambda c: _risk(ln, c), reverse=True)[:riskiest]
-            for cfg in chosen:
-                kw = {**ln.kwargs, **cfg.all_kwargs()}
-                for arch in archs:
+            for arch in archs:
+                pruned = ln.tuned.configs
+                if ln.tuned.early_config_prune:  # the pruning on a device of this arch
+                    with mock.patch.object(A, "device_arch", lambda arch=arch: arch):
+                        pruned = ln.tuned.early_config_prune(ln.tuned.configs, nargs, **ln.kwargs)
+                chosen = pruned if kept_only or riskiest else ln.tuned.configs
+                if riskiest:
+                    chosen = sorted(chosen, key=lambda c: _risk(ln, c), reverse=True)[:riskiest]
+                for cfg in chosen:
+                    kw = {**ln.kwargs, **cfg.all_kwargs()}
                     sig, cst, attrs, opts = specialise(ln.kernel, ln.args, kw, arch)
                     out.append(
                         Build(
-                            case, ln.name, _config_label(cfg), arch, cfg in pruned,
+                            case, ln.name, _config_label(cfg, ln.kwargs), arch, cfg in pruned,
                             ln.kernel.fn.__module__, ln.kernel.fn.__name__,
                             sig, cst, attrs, opts,
                             _cache_key(ln.kernel, sig, cst, attrs, opts, arch),

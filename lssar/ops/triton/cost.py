@@ -62,6 +62,7 @@ class Machine:
     issue: float = 128.0
     sms: int = 132
     clock_hz: float = 1.83e9
+    hbm_bytes_per_s: float = 4.8e12  # H200 (H100 SXM: 3.35e12)
 
 
 HOPPER = Machine()
@@ -105,12 +106,13 @@ def _fa2_fwd_tile(acc, l_i, m_i, q, Kb, Vb, skt, svt, start_n, offs_m, offs_d, q
 
 @triton.jit
 def fa2_softmax_fwd(
-    Q, K, V, O, sqt, skt, svt, sot, T, qk_scale,
+    Q, K, V, O, LSE, sqt, skt, svt, sot, T, qk_scale,
     BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    # The reference point only (never launched by the library): FlashAttention-2's causal forward
-    # as in Triton's tutorial (online softmax with exp2, one P V product per tile), the key
-    # blocks below the diagonal without a mask, the diagonal ones with it; T a multiple of BM.
+    # The reference point only (never launched by the library; benchmarks/gpu.py times it):
+    # FlashAttention-2's causal forward as in Triton's tutorial (online softmax with exp2, one
+    # P V product per tile), the key blocks below the diagonal without a mask, the diagonal ones
+    # with it; T a multiple of BM; LSE: the rows' log2-sum-exp2 for the backward.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -134,6 +136,7 @@ def fa2_softmax_fwd(
     tl.store(
         O + pid_bh * T * sot + offs_m[:, None] * sot + offs_d[None, :], out.to(O.dtype.element_ty)
     )
+    tl.store(LSE + pid_bh * T + offs_m, m_i + tl.log2(l_i))
 
 
 @triton.jit
@@ -233,6 +236,43 @@ def fa2_softmax_bwd_dq(
     tl.store(DQ + base + offs_m[:, None] * sqt + offs_d[None, :], dq.to(DQ.dtype.element_ty))
 
 
+@triton.jit
+def fa2_softmax_decode(
+    Q, K, V, PACC, PROW, sqt, skt, Tk, span, nsplit, bhk, qk_scale,
+    BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    # Reference only: a FlashDecoding (split-K) softmax step, the BM query rows of one kv head's
+    # GQA group packed as rows, one slice of the cache per program, online-softmax partials
+    # (acc, l, m) for the host to combine (as the decode kernel's partials).
+    pid = tl.program_id(0)
+    split = pid % nsplit
+    bk = (pid // nsplit).to(tl.int64)
+    r = tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    q = tl.load(Q + (bk * BM + r[:, None]) * sqt + offs_d[None, :])
+    Kb = K + bk * Tk * skt
+    Vb = V + bk * Tk * skt
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, BD), tl.float32)
+    k0 = split * span
+    for start_n in range(k0, tl.minimum(Tk, k0 + span), BN):
+        offs_n = start_n + tl.arange(0, BN)
+        k = tl.load(Kb + offs_n[:, None] * skt + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(Vb + offs_n[:, None] * skt + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    slot = (split * bhk + bk) * BM + r
+    tl.store(PACC + slot[:, None] * BD + offs_d[None, :], acc)
+    tl.store(PROW + slot, l_i)
+    tl.store(PROW + nsplit * bhk * BM + slot, m_i)
+
+
 # candidate tiles (BM, BN, num_warps, num_stages) of the references: Triton's tutorial configs
 # and their neighbours; the best by the model that compiles without spilling is the reference
 FA2_TILES = {
@@ -250,6 +290,9 @@ FA2_TILES = {
     ],
 }  # fmt: skip
 _FA2_KERNELS = {"fwd": fa2_softmax_fwd, "dkdv": fa2_softmax_bwd_dkdv, "dq": fa2_softmax_bwd_dq}
+# the decode reference: 16 packed rows (the decode kernel's BM for G T_q <= 16)
+FA2_DECODE_TILES = [(16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3), (16, 32, 4, 3)]
+_FA2_KERNELS["decode"] = fa2_softmax_decode
 
 
 def _fa2_build(kind: str, head_dim: int, dtype: str, tile: tuple, arch: int) -> cc.Build:
@@ -259,7 +302,9 @@ def _fa2_build(kind: str, head_dim: int, dtype: str, tile: tuple, arch: int) -> 
     x = torch.zeros(cc.BATCH * cc.HEADS, t, head_dim, dtype=dt)
     row = torch.zeros(cc.BATCH * cc.HEADS, t, dtype=torch.float32)
     if kind == "fwd":
-        args = (x, x, x, x, head_dim, head_dim, head_dim, head_dim, t, 1.0)
+        args = (x, x, x, x, row, head_dim, head_dim, head_dim, head_dim, t, 1.0)
+    elif kind == "decode":
+        args = (x, x, x, x, row, head_dim, head_dim, t, t, 1, cc.BATCH, 1.0)
     elif kind == "dkdv":
         args = (x, x, x, x, row, row, x, x, head_dim, t)
     else:
@@ -307,7 +352,7 @@ def tile_counts(kind: str, seq_len: int, bm: int, bn: int) -> tuple[int, int]:
 
 def _passes(kind: str, row: dict) -> int:
     """Loops over the tiles a kernel makes (before splitting): the LSSAR forward two."""
-    if kind == "fwd":
+    if kind in ("fwd", "fwd-train"):
         return 2 if row["variant"] == "lssar" else 1
     return 1
 
@@ -381,7 +426,8 @@ class Projection:
     label: str
     head_dim: int
     kernels: list[KernelCost]
-    fwd: float  # clocks per visible score
+    fwd: float  # clocks per visible score: the inference forward
+    train_fwd: float  # the forward that keeps what the backward needs (LSSAR: F_i vectors)
     bwd: float
     ref_fwd: float
     ref_bwd: float
@@ -394,7 +440,7 @@ class Projection:
     @property
     def x_fwd_bwd(self) -> float:
         """Speed of forward + backward relative to the FA2-style pair."""
-        return (self.ref_fwd + self.ref_bwd) / (self.fwd + self.bwd)
+        return (self.ref_fwd + self.ref_bwd) / (self.train_fwd + self.bwd)
 
 
 def reference(
@@ -446,10 +492,11 @@ def project(
         if r["kernel"] not in best or kc.clocks < best[r["kernel"]].clocks:
             best[r["kernel"]] = kc
     kernels = list(best.values())
-    fwd = sum(k.clocks for name, k in best.items() if name == "fwd")
-    bwd = sum(k.clocks for name, k in best.items() if name != "fwd")
+    fwd = best["fwd"].clocks
+    train = best.get("fwd-train", best["fwd"]).clocks
+    bwd = sum(k.clocks for name, k in best.items() if not name.startswith("fwd"))
     return Projection(
-        case.label, case.head_dim, kernels, fwd, bwd, ref["fwd"].clocks,
+        case.label, case.head_dim, kernels, fwd, train, bwd, ref["fwd"].clocks,
         ref["dkdv"].clocks + ref["dq"].clocks,
     )  # fmt: skip
 
@@ -512,9 +559,103 @@ def markdown_summary(ref: dict[str, KernelCost], projs: list[Projection]) -> str
     for p in projs:
         lines.append(
             f"| {p.label} | {p.fwd:.3f} | {p.x_fwd:.2f} | {p.x_fwd * fa2_factor(d, 'fwd'):.2f} | "
-            f"{p.fwd + p.bwd:.3f} | {p.x_fwd_bwd:.2f} | "
+            f"{p.train_fwd + p.bwd:.3f} | {p.x_fwd_bwd:.2f} | "
             f"{p.x_fwd_bwd * fa2_factor(d, 'fwd+bwd'):.2f} |"
         )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@dataclasses.dataclass
+class DecodeCost:
+    """One decode launch's modelled time for one kv head's step (``clocks`` of the whole GPU:
+    the slices spread over every SM), its compute and HBM parts."""
+
+    name: str
+    config: str
+    compute: float
+    memory: float
+
+    @property
+    def clocks(self) -> float:
+        """Memory and compute overlap (many programs per SM): the larger one."""
+        return max(self.compute, self.memory)
+
+
+def decode_cost(row: dict, t_k: int, kv_bytes: float, machine: Machine = HOPPER) -> DecodeCost:
+    """The model for a decode launch (compile-check row): ``t_k / BN`` clean key blocks per kv
+    head (loop 0 of each launch), their SASS clocks spread over the SMs, against ``kv_bytes``
+    read or written from HBM per kv head."""
+    bm, bn, warps = _tile(row["config"])
+    # the clean loop: the first with a matrix product (LSSAR's pass 2 first loops over the
+    # slices' statistics; the masked loop only takes a ragged tail)
+    lp = next(lp for lp in row["loop"]["each"] if lp["flop"] > 0)
+    tiles = t_k / bn
+    thread = 32 * warps * tiles
+    tile_clk = lp["flop"] * warps * tiles / machine.tensor_flop + max(
+        lp["total"] * thread / machine.issue, lp["mufu"] * thread / machine.mufu
+    )
+    hbm = machine.hbm_bytes_per_s / machine.clock_hz  # bytes per clock, whole chip
+    name = row["kernel"] if row["kernel"].startswith("fa2") else f"{row['variant']} {row['kernel']}"
+    return DecodeCost(name, row["config"], tile_clk / machine.sms, kv_bytes / hbm)
+
+
+def decode_projection(
+    head_dim: int, dtype: str, arch: int, t_k: int, g: int, jobs: int
+) -> tuple[list[DecodeCost], dict[str, list[DecodeCost]]]:
+    """A decode step (``g`` query heads per kv head, one query each, ``t_k`` cached keys): the
+    FlashDecoding-style softmax reference in its best tile, and each case's launches (LSSA one,
+    LSSAR two) in their best configs. Bytes per kv head: K and V read once (softmax, LSSA);
+    LSSAR reads K in pass 1 and writes ``4 g`` bytes of scores per key, and reads them back with
+    V in pass 2."""
+    esize = cc._DTYPES[dtype].itemsize
+    kv = t_k * head_dim * esize
+    scores = t_k * 4 * g
+    blds = [_fa2_build("decode", head_dim, dtype, t, arch) for t in FA2_DECODE_TILES]
+    ref = min(
+        (
+            decode_cost(r, t_k, 2 * kv)
+            for r in cc.run(blds, jobs)
+            if r["ok"] and not r["spill_store"]
+        ),
+        key=lambda c: c.clocks,
+    )
+    out: dict[str, list[DecodeCost]] = {}
+    for variant in ("lssa", "lssar"):
+        for precise in (False, True):
+            case = cc.Case(head_dim, dtype, True, variant, False, precise=precise, decode=16)
+            rows = cc.run(cc.builds([case], (arch,)), jobs)
+            best: dict[str, DecodeCost] = {}
+            for r in rows:
+                if not r["ok"] or r["spill_store"]:
+                    continue
+                kv_bytes = {"decode1": kv + scores, "decode2": kv + scores}[r["kernel"]]
+                if variant == "lssa":
+                    kv_bytes = 2 * kv
+                c = decode_cost(r, t_k, kv_bytes)
+                if r["kernel"] not in best or c.clocks < best[r["kernel"]].clocks:
+                    best[r["kernel"]] = c
+            out[case.label] = list(best.values())
+    return [ref], out
+
+
+def markdown_decode(ref: list[DecodeCost], cases: dict[str, list[DecodeCost]]) -> str:
+    """Per case: each launch's compute and memory clocks, the step's total, x the reference."""
+    t_ref = sum(c.clocks for c in ref)
+    lines = [
+        "| case | launch | config | compute clk | HBM clk | clk | step x softmax split-K |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, launches in [("softmax split-K (reference)", ref), *cases.items()]:
+        total = sum(c.clocks for c in launches)
+        for i, c in enumerate(launches):
+            ratio = f"{t_ref / total:.2f}" if i == len(launches) - 1 else ""
+            lines.append(
+                f"| {label} | {c.name} | {c.config} | {c.compute:.0f} | {c.memory:.0f} | "
+                f"{c.clocks:.0f} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -533,7 +674,18 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--variant", nargs="+", default=None, help="only these case labels' variants")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--decode", type=int, nargs=2, metavar=("G", "T_K"), default=None,
+        help="the decode table instead: G query heads per kv head, T_K cached keys",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    if a.decode:
+        for d in a.head_dim:
+            ref, out = decode_projection(d, a.dtype, a.arch, a.decode[1], a.decode[0], a.jobs)
+            print(f"## decode, head dim {d}, {a.dtype}, sm_{a.arch}, G = {a.decode[0]}, "
+                  f"T_k = {a.decode[1]}\n")  # fmt: skip
+            print(markdown_decode(ref, out) + "\n", flush=True)
+        return 0
     if a.seq_len % 128:
         ap.error("--seq-len must be a multiple of 128")
     for d in a.head_dim:

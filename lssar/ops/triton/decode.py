@@ -82,11 +82,9 @@ def _decode_tile(
     offs_n = start_n + tl.arange(0, BN)
     kmask = offs_n < Tk
     sc_ptr = SCb + offs_n[None, :]
+    sc_mask = rvalid[:, None] & kmask[None, :]  # only the real rows' scores are kept
     if REWEIGHT and PASS == 2:
-        if MASKED:
-            s = tl.load(sc_ptr, mask=kmask[None, :], other=float("-inf"))
-        else:
-            s = tl.load(sc_ptr)
+        s = tl.load(sc_ptr, mask=sc_mask, other=float("-inf"))
     else:
         k = _ld(Kb, start_n, skt, offs_d, kmask, D, BD, BN, MASKED)
         if QK_NORM:
@@ -99,10 +97,7 @@ def _decode_tile(
         )  # fmt: skip
     a = _softplus(s, POLY)
     if PASS == 1:
-        if MASKED:
-            tl.store(sc_ptr, s, mask=kmask[None, :])
-        else:
-            tl.store(sc_ptr, s)
+        tl.store(sc_ptr, s, mask=sc_mask)
         z += tl.sum(a, 1)
         mx = tl.maximum(mx, tl.max(s, 1))
     else:
@@ -129,7 +124,7 @@ def decode_kernel(
     # One slice [split * span, (split + 1) * span) of one kv head's cache for its G * Tq packed
     # rows (row r: query head hk * G + r // Tq, query r % Tq); bhk = B * HK. Partials: PACC
     # (nsplit, bhk, BM, BDV) fp32 sum_j w_ij v_j; PROW (3, nsplit, bhk, BM) fp32 Z_i,
-    # max_j t_ij (PASS 1), W_i (PASS 2); SC (bhk, BM, Tk) fp32 the LSSAR scores between the
+    # max_j t_ij (PASS 1), W_i (PASS 2); SC (bhk, G * Tq, Tk) fp32 the LSSAR scores between the
     # passes.
     pid = tl.program_id(0)
     split = pid % nsplit
@@ -153,7 +148,7 @@ def decode_kernel(
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
     IKb = IK + bk * Tk
-    SCb = SC + (bk * BM + r[:, None]) * Tk
+    SCb = SC + (bk * (G * Tq) + r[:, None]) * Tk  # rows past G * Tq: never read or written
     k0 = split * span
     k1 = tl.minimum(Tk, k0 + span)
     # clean blocks: in range, and (causal) visible to every row: the earliest query sees keys

@@ -271,11 +271,14 @@ def _contiguous_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=None):
+def _forward(
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=None, for_backward=True
+):
     """``(out, stats, aux)``: the output, the rows' ``(N, mu, x_max, W)`` (fp32
-    ``(4, B, H, T_q)``) and, for LSSAR, ``p / (W x_max) (U - S out)`` per row (fp32
-    ``(B, H, T_q, BDV)``, :func:`lssar.ops.triton.kernels.fwd_kernel`; empty for LSSA), which the
-    backward turns into ``F_i`` with no pass over the keys."""
+    ``(4, B, H, T_q)``) and, for LSSAR with ``for_backward``, ``p / (W x_max) (U - S out)`` per
+    row (fp32 ``(B, H, T_q, BDV)``, :func:`lssar.ops.triton.kernels.fwd_kernel`), which the
+    backward turns into ``F_i`` with no pass over the keys (empty otherwise: an inference
+    forward skips the extra product and accumulator)."""
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
@@ -284,8 +287,8 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=
     buf_dtype = torch.float32 if _interpreting() and q.dtype == torch.bfloat16 else q.dtype
     out = torch.zeros(B, H, t_q, v.shape[-1], dtype=buf_dtype, device=q.device)
     stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=q.device)  # N, mu, x_max, W
-    aux_shape = (B, H, t_q, _pow2(v.shape[-1])) if p is not None else (0,)
-    aux = torch.zeros(aux_shape, dtype=torch.float32, device=q.device)
+    fold = p is not None and for_backward
+    aux = torch.zeros(_aux_shape(q, v, p, fold), dtype=torch.float32, device=q.device)
     if t_q == 0 or t_k == 0 or B * H == 0:
         return out, stats, aux
     if spans is None:
@@ -302,9 +305,14 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=
         q, k, v, out, stats, aux, L.iq, L.ik, L.m, L.sp,
         *L.strides(q, k, v, out), *L.mstrides,
         *L.sizes(), L.scale, L.p, UNIFORM_TOL, *L.keys,
-        **L.kw(K.fwd_kernel),
+        **L.kw(K.fwd_kernel, FOLD_F=fold),
     )  # fmt: skip
     return out.to(q.dtype), stats, aux
+
+
+def _aux_shape(q: Tensor, v: Tensor, p: float | None, fold: bool) -> tuple[int, ...]:
+    """Shape of the forward's ``aux`` output: LSSAR's per-row vectors, or empty."""
+    return (*q.shape[:3], _pow2(v.shape[-1])) if p is not None and fold else (0,)
 
 
 def _deterministic(deterministic: bool) -> bool:
@@ -323,6 +331,11 @@ def _backward(
     hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
     if t_q == 0 or t_k == 0 or B * H == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if p is not None and aux.numel() == 0:
+        raise RuntimeError(
+            "the LSSAR backward needs the forward's F_i vectors: run the forward with "
+            "for_backward=True (triton_attention does when an input requires grad)"
+        )
     L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, spans)
     key_rows = stats if spans is None else _key_rows(spans, t_q)  # dk/dv: rows seeing each key
     bd, bdv = L.meta["BD"], L.meta["BDV"]
@@ -393,7 +406,7 @@ def _decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise) -> Tens
     f32 = dict(dtype=torch.float32, device=dev)
     part = torch.empty(nsplit, B * hk, bm, bdv, **f32)  # sum_j w_ij v_j per slice
     prow = torch.empty(3, nsplit, B * hk, bm, **f32)  # Z_i, max_j t_ij, W_i per slice
-    scores = torch.empty(B * hk, bm, t_k, **f32) if p is not None else stats  # LSSAR's t_ij
+    scores = torch.empty(B * hk, g * t_q, t_k, **f32) if p is not None else stats  # LSSAR's t_ij
     for step in (1, 2) if p is not None else (2,):
         _launch(
             DEC.decode_kernel,
@@ -434,11 +447,10 @@ def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
-def _decode_step(query: Tensor, key: Tensor, value: Tensor, spans: KeySpans | None) -> bool:
+def _decode_step(query: Tensor, key: Tensor, spans: KeySpans | None, grad: bool) -> bool:
     """Whether a call runs on the decode kernels: at most :data:`DECODE_MAX_QUERIES` queries,
     their GQA group's rows fit one tile (:func:`lssar.ops.triton.decode.applies`), and no
-    gradient to record."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    gradient to record (``grad``)."""
     return query.shape[2] <= DECODE_MAX_QUERIES and DEC.applies(query, key, spans) and not grad
 
 
@@ -455,6 +467,7 @@ def triton_softplus_attention_op(
     p: float | None,
     precise: bool,
     deterministic: bool = False,
+    for_backward: bool = True,
     lo: Tensor | None = None,
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
@@ -462,7 +475,8 @@ def triton_softplus_attention_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward. ``q (B,H_q,T_q,D)``, ``k (B,H_kv,T_k,D)``, ``v (B,H_kv,T_k,D_v)`` ->
     ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W,
-    ``aux`` fp32: LSSAR's ``(B,H_q,T_q,BDV)`` vectors for ``F_i``, empty for LSSA).
+    ``aux`` fp32: LSSAR's ``(B,H_q,T_q,BDV)`` vectors for ``F_i`` when ``for_backward``, else
+    empty).
 
     ``scale`` is ``ln(D)`` when ``log_n`` (then ``c_i = scale * ln N_i``), else the constant ``c``;
     ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None;
@@ -472,17 +486,18 @@ def triton_softplus_attention_op(
     window, sinks; ``is_causal`` folded in), or None.
     """
     spans = _spans(lo, hi, sink_lo, sink_hi, k.shape[2])
-    return _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans)
+    args = (q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans)
+    return _forward(*args, for_backward=for_backward)
 
 
 @triton_softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic=False, *spans):
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic=False,
+      for_backward=True, *spans):  # fmt: skip
     B, H, t_q, _ = q.shape
-    aux_shape = (B, H, t_q, _pow2(v.shape[-1])) if p is not None else (0,)
     return (
         q.new_empty(B, H, t_q, v.shape[-1]),
         q.new_empty(4, B, H, t_q, dtype=torch.float32),
-        q.new_empty(aux_shape, dtype=torch.float32),
+        q.new_empty(_aux_shape(q, v, p, for_backward), dtype=torch.float32),
     )
 
 
@@ -521,7 +536,7 @@ def _(grad, q, k, v, out, mask, stats, aux, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic, *spans = inputs
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic, _, *spans = inputs
     out, stats, aux = output
     ctx.save_for_backward(q, k, v, out, mask, stats, aux, *spans)
     ctx.args = (is_causal, scale, log_n, qk_norm, p, precise, deterministic)
@@ -533,7 +548,7 @@ def _autograd_backward(ctx, grad, _grad_stats, _grad_aux):
     dq, dk, dv = triton_softplus_attention_backward_op(
         grad.contiguous(), q, k, v, out, mask, stats, aux, *ctx.args, *spans
     )
-    return dq, dk, dv, *(None,) * (8 + len(spans))
+    return dq, dk, dv, *(None,) * (9 + len(spans))
 
 
 triton_softplus_attention_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -593,7 +608,8 @@ def triton_attention(
     if variant.qk_norm:  # divide by the largest entry first: the in-kernel norm then sees
         # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant
         query, key = _unit_scale(query), _unit_scale(key)
-    if _decode_step(query, key, value, spans):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if _decode_step(query, key, spans, grad):
         args = (float(c), log_n, bool(variant.qk_norm), None if p is None else float(p))
         return triton_softplus_decode_op(
             query, key, value, attn_mask, bool(is_causal), *args, bool(precise)
@@ -610,6 +626,7 @@ def triton_attention(
         None if p is None else float(p),
         bool(precise),
         bool(deterministic),
+        grad,
         *(() if spans is None else (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)),
     )
     return out

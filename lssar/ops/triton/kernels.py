@@ -90,6 +90,16 @@ def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr)
 
 
 @triton.jit
+def _dot_pl(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+    # a in the input dtype times fp32 b (rounded to a's dtype; SPLIT: as _dot_lp's hi + lo)
+    hi = b.to(a.dtype)
+    res = _dot(a, hi, IEEE, UPCAST)
+    if SPLIT:
+        res += _dot(a, (b - hi.to(tl.float32)).to(a.dtype), IEEE, UPCAST)
+    return res
+
+
+@triton.jit
 def _log2_1p_over(u, POLY: tl.constexpr):
     # log2(1 + u) / u on [0, 1], a polynomial of degree POLY (8 for fp32 inputs, 6 or 5 for half
     # precision: lssar.ops.triton.host) fitted for the least maximal relative error (Lawson's
@@ -500,11 +510,11 @@ def _fwd_out_tile(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr,
-    MASKED: tl.constexpr,
+    FOLD_F: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     # the output pass over one key block: acc += w V, W_i += sum_j w_ij (w = 0 where not
-    # visible); LSSAR also U += r^(p-1) V and S_i += sum_j r^(p-1), which give the backward's
-    # F_i with no pass over the keys (fwd_kernel)
+    # visible); FOLD_F (LSSAR with a backward to follow) also U += r^(p-1) V and
+    # S_i += sum_j r^(p-1), which give the backward's F_i with no pass over the keys
     offs_n, _, _, s = _row_tile_scores(
         start_n, *ctx, D, BD, BN, CAUSAL, HAS_MASK, QK_NORM, IEEE, UPCAST, HAS_SPANS, HAS_SINKS,
         MASKED,
@@ -514,8 +524,9 @@ def _fwd_out_tile(
     if REWEIGHT:
         r, rpm1 = _sharpen(w, mu, inv_xmax, p, P_INT)
         w = tl.where(has[:, None], r, w)
-        uacc += _dot_lp(rpm1, v, IEEE, UPCAST, SPLIT)
-        s2 += tl.sum(rpm1, 1)
+        if FOLD_F:
+            uacc += _dot_lp(rpm1, v, IEEE, UPCAST, SPLIT)
+            s2 += tl.sum(rpm1, 1)
     return acc + _dot_lp(w, v, IEEE, UPCAST, SPLIT), wsum + tl.sum(w, 1), uacc, s2
 
 
@@ -528,10 +539,11 @@ def fwd_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, P_INT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SINKS: tl.constexpr, POLY: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    FOLD_F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     # Each pass: the clean key blocks (no mask, no compare), then the masked ones (the causal
-    # diagonal, the key tail; every block with a mask or spans).
+    # diagonal, the key tail; every block with a mask or spans). FOLD_F: LSSAR with a backward
+    # to follow (AUX; an inference forward skips the extra product and accumulator).
     pid_m, pid_bh = _program(Tq, BM)
     b = pid_bh // H
     h = pid_bh % H
@@ -582,22 +594,24 @@ def fwd_kernel(
 
     acc = tl.zeros((BM, BDV), tl.float32)
     wsum = tl.zeros((BM,), tl.float32)
-    if REWEIGHT:
+    if FOLD_F:
         uacc = tl.zeros((BM, BDV), tl.float32)
     else:
-        uacc = tl.zeros((1, 1), tl.float32)  # not carried: LSSA has no F_i
+        uacc = tl.zeros((1, 1), tl.float32)  # not carried: no F_i to fold
     s2 = tl.zeros((BM,), tl.float32)
     row = (Vb, svt, offs_dv, Tk, mu, inv_xmax, has, p)
     for start_n in range(0, c_end, BN):
         acc, wsum, uacc, s2 = _fwd_out_tile(
             acc, wsum, uacc, s2, start_n, ctx, *row, D, DV, BD, BDV, BN, CAUSAL, HAS_MASK,
-            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, False,
+            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, FOLD_F,
+            False,
         )  # fmt: skip
     for it in range(k_lo, k_hi, BN):
         start_n = _skip_gap(it, split, shift, HAS_SINKS)
         acc, wsum, uacc, s2 = _fwd_out_tile(
             acc, wsum, uacc, s2, start_n, ctx, *row, D, DV, BD, BDV, BN, CAUSAL, HAS_MASK,
-            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, True,
+            QK_NORM, REWEIGHT, P_INT, IEEE, UPCAST, SPLIT, HAS_SPANS, HAS_SINKS, POLY, FOLD_F,
+            True,
         )  # fmt: skip
     winv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
     out = acc * winv[:, None]
@@ -606,7 +620,7 @@ def fwd_kernel(
         out.to(O.dtype.element_ty),
         mask=rmask[:, None] & (offs_dv[None, :] < DV),
     )
-    if REWEIGHT:
+    if FOLD_F:
         # F_i = sum_j dx_ij = p / (W x_max) sum_j r^(p-1) (dP_ij - D_i) = g_i . AUX_i with
         # AUX_i = p / (W x_max) (U_i - S_i out_i) (0 for LSSA-fallback rows): fp32 (B,H,Tq,BDV)
         coef = tl.where(has, p * winv * inv_xmax, 0.0)
@@ -800,7 +814,10 @@ def _dkdv_tile(
             dv += _dot_lp(tl.trans(prob), go, IEEE, UPCAST, SPLIT)
         dk += _dot_lp(tl.trans(ds), q, IEEE, UPCAST, SPLIT)
         if FUSED_DQ:
-            dq = _dot_lp(ds, k, IEEE, UPCAST, SPLIT)
+            if KEY_MAJOR:  # as k^T dS^T (M = BD, wgmma's tall side), transposed in registers
+                dq = tl.trans(_dot_pl(tl.trans(k), tl.trans(ds), IEEE, UPCAST, SPLIT))
+            else:
+                dq = _dot_lp(ds, k, IEEE, UPCAST, SPLIT)
             ptr = DQ + rows[:, None] * BD + offs_d[None, :]
             if MASKED:
                 tl.atomic_add(ptr, dq, mask=rmask[:, None] & (offs_d[None, :] < D), sem="relaxed")
