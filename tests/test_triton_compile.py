@@ -173,19 +173,22 @@ def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
     assert any(r["hgmma"] > 0 for r in res["True"]["rows"])
 
 
-# the dk/dv tiles for sm_90's wgmma (key-major scores; at head dim 128 one gradient per program)
-WGMMA_DKDV = {64: "16x64 w4 s2 key-major", 128: "16x64 w4 s2 key-major one-grad"}
+# the dk/dv tiles for sm_90's wgmma (key-major scores; at head dim 128 one gradient per program,
+# precise=False)
+WGMMA_DKDV = {64: "32x64 w4 s2 key-major", 128: "16x64 w4 s2 key-major one-grad"}
 
 
 def test_wgmma_dkdv_tiles_compile_to_hgmma_without_spills(tmp_path):
     # kept by the autotuner's pruning, every product on HGMMA (no HMMA left), no spill: sm_90,
-    # bf16 LSSAR p=15 causal, head dim 64 (both gradients) and 128 (one gradient): 2 builds
+    # bf16 LSSAR p=15 causal, precise=False, dq fused (the default), head dim 64 (both
+    # gradients) and 128 (one gradient): 2 builds
     res = _run_json(
         tmp_path,
         f"tiles = {WGMMA_DKDV!r}\n"
         "out = []\n"
         "for d, label in tiles.items():\n"
-        "    blds = cc.builds([cc.Case(d, 'bf16', True, 'lssar', False)], (90,))\n"
+        "    case = cc.Case(d, 'bf16', True, 'lssar', False, precise=False)\n"
+        "    blds = cc.builds([case], (90,))\n"
         "    out += cc.run([b for b in blds if (b.kernel, b.config) == ('dkdv', label)], 1)\n"
         "print(json.dumps(out))\n",
     )
@@ -193,8 +196,9 @@ def test_wgmma_dkdv_tiles_compile_to_hgmma_without_spills(tmp_path):
     for r in res:
         assert r["ok"] and r["kept"], r
         assert r["spill_store"] == r["spill_load"] == 0, r
-        assert r["hmma"] == 0 and r["hgmma"] >= 4, r  # q k^T, dO v^T, P^T dO, dS^T q
-        assert r["loop"]["hmma"] == 0 and r["loop"]["hgmma"] >= 4, r
+        # q k^T, dO v^T, P^T dO, dS^T q and the fused dq as k^T dS^T
+        assert r["hmma"] == 0 and r["hgmma"] >= 5, r
+        assert r["loop"]["hmma"] == 0 and r["loop"]["hgmma"] >= 5, r
 
 
 def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
@@ -203,18 +207,22 @@ def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
     from lssar.ops.triton import autotune as A
     from lssar.ops.triton.compile_check import _config_label
 
-    def kept(bd, dtype=torch.bfloat16, ieee=False):
+    def kept(bd, dtype=torch.bfloat16, ieee=False, split=False, mask=False):
         args = {"Q": torch.zeros(1, dtype=dtype)}
-        cfgs = A._pruner("dkdv")(A._COL_CONFIGS, args, BD=bd, BDV=bd, IEEE=ieee)
+        kw = dict(BD=bd, BDV=bd, IEEE=ieee, SPLIT=split, HAS_MASK=mask)
+        cfgs = A._pruner("dkdv")(A._COL_CONFIGS, args, **kw)
         return {label for label in map(_config_label, cfgs) if "key-major" in label}
 
-    assert kept(64) == {
-        "16x64 w4 s2 key-major",
+    one_grad = {
         "16x64 w4 s2 key-major one-grad",
         "32x64 w4 s2 key-major one-grad",
         "32x128 w8 s2 key-major one-grad",
     }
+    both = {"16x64 w4 s2 key-major", "32x64 w4 s2 key-major", "32x128 w8 s2 key-major"}
+    assert kept(64) == kept(64, split=True) == one_grad | both
+    assert kept(64, mask=True) == one_grad | {"16x64 w4 s2 key-major"}  # 32 rows: plain only
     assert kept(128) == {WGMMA_DKDV[128]} and kept(128, torch.float16) == {WGMMA_DKDV[128]}
+    assert kept(128, split=True) == set()  # spilled 4-12 B with the hi + lo products
     assert kept(256) == set()
     assert kept(64, torch.float32, ieee=True) == kept(64, torch.float32) == set()  # IEEE, TF32
 
@@ -339,18 +347,20 @@ def test_pruning_is_per_arch():
     assert A.fits("fwd", tile, 64, 64, False, mask=True, arch=90)
     assert not A.fits("fwd", tile, 64, 64, False, mask=True)  # arch unknown: pruned
     assert A.fits("fwd", tile, 64, 64, False, arch=80)  # it spilled with a mask only
-    ((kind, bm, bn, w, st), where), *_ = A.MEASURED_WGMMA_ROWS.items()
-    (bd, reweight, split), *_ = where
+    kind, bm, bn, w, st = "fwd", 128, 64, 8, 2
+    (bd, reweight, split, fold) = (128, True, False, False)  # LSSAR inference, precise=False
+    assert (bd, reweight, split, fold) in A.MEASURED_WGMMA_ROWS[(kind, bm, bn, w, st)]
     big = triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
-    flags = dict(reweight=reweight, split=split)
+    flags = dict(reweight=reweight, split=split, fold=fold)
     assert A.fits(kind, big, bd, bd, False, arch=90, **flags)
     assert not A.fits(kind, big, bd, bd, False, arch=80, **flags)
     assert not A.fits(kind, big, bd, bd, False, mask=True, arch=90, **flags)
     assert not A.fits(kind, big, bd, bd, True, arch=90, **flags)  # fp32 (IEEE)
+    assert not A.fits(kind, big, bd, bd, False, arch=90, reweight=True, split=False, fold=True)
     # the autotuner's pruning asks the device (compile_check sets it per target arch)
     prune = A._pruner(kind)
     args = {"tq_key": 1024, "Q": torch.zeros(1, dtype=torch.bfloat16)}
-    kw = dict(BD=bd, BDV=bd, IEEE=False, REWEIGHT=reweight, SPLIT=split)
+    kw = dict(BD=bd, BDV=bd, IEEE=False, REWEIGHT=reweight, SPLIT=split, FOLD_F=fold)
     for arch, expect in ((80, False), (90, True)):
         A_arch = A.device_arch
         try:

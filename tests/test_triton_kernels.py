@@ -269,6 +269,23 @@ def test_deterministic_backward(name, p):
     _check(name, p, q, k, v, mask=mask, deterministic=True)
 
 
+def test_inference_forward_skips_the_backward_vectors():
+    """Without a gradient to record the LSSAR forward keeps no F_i vectors (FOLD_F off): the
+    same output, an empty aux, and a backward from it refuses clearly."""
+    variant, opts = _variant("lssar", 15.0)
+    q, k, v = (x.to(DEVICE) for x in _inputs(1, 2, 2, 33, 33, 32, torch.float32, seed=5))
+    kw = dict(is_causal=True, variant=variant, options=opts)
+    with torch.no_grad():
+        infer = tk.triton_attention(q, k, v, **kw)
+    train = tk.triton_attention(q.clone().requires_grad_(), k, v, **kw)
+    assert torch.equal(infer, train.detach())
+    args = (None, True, 2.77, True, True, 15.0, True)
+    out, stats, aux = tk._forward(q, k, v, *args, for_backward=False)
+    assert aux.numel() == 0
+    with pytest.raises(RuntimeError, match="for_backward=True"):
+        tk._backward(torch.zeros_like(out), q, k, v, out, None, stats, aux, *args[1:])
+
+
 def test_deterministic_follows_torch_flag(monkeypatch):
     """torch.use_deterministic_algorithms(True) selects the deterministic backward."""
     launched = []

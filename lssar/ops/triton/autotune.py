@@ -67,23 +67,27 @@ def _live_words(
     bdv: int,
     esize: int = 2,
     one_grad: bool = False,
+    fold: bool = False,
 ) -> float:
     """Estimated live fp32 words per thread in a kernel's loop: its fp32 accumulators and ~3
     score-shaped fp32 tiles (scores, weights, dP / dS); dk/dv also reloads q and dO tiles
     (``esize``-byte inputs: two half-precision values per word) every iteration; ``one_grad``:
-    a dk/dv program holds dk or dv, not both (``ONE_GRAD``)."""
+    a dk/dv program holds dk or dv, not both (``ONE_GRAD``); ``fold``: the LSSAR forward's
+    second accumulator for the backward's F_i (``FOLD_F``)."""
     threads = 32 * warps
     grads = max(bd, bdv) if one_grad else bd + bdv
-    acc = {"fwd": bm * bdv, "dq": bm * bd, "dkdv": bn * grads}[kind]
+    acc = {"fwd": bm * bdv * (2 if fold else 1), "dq": bm * bd, "dkdv": bn * grads}[kind]
     reloaded = bm * (bd + bdv) * esize / 4 if kind == "dkdv" else 0
     return (acc + reloaded + 3 * bm * bn) / threads
 
 
-def _cfg_words(kind: str, cfg: triton.Config, bd: int, bdv: int, esize: int) -> float:
+def _cfg_words(
+    kind: str, cfg: triton.Config, bd: int, bdv: int, esize: int, fold: bool = False
+) -> float:
     """:func:`_live_words` of a config."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     one_grad = bool(cfg.kwargs.get("ONE_GRAD", False))
-    return _live_words(kind, bm, bn, cfg.num_warps, bd, bdv, esize, one_grad)
+    return _live_words(kind, bm, bn, cfg.num_warps, bd, bdv, esize, one_grad, fold)
 
 
 def _shared_bytes(kind: str, bm: int, bn: int, stages: int, bd: int, bdv: int, esize: int) -> int:
@@ -216,13 +220,27 @@ def device_arch() -> int | None:
 
 
 # Row tiles over two warpgroups (128 rows, 8 warps: on sm_90 each warpgroup's wgmma takes 64
-# rows, so no element-wise work is done twice, as it is in a 64-row tile with 8 warps): kept
-# only where measured without spills, per (kernel, BM, BN, num_warps, num_stages) -> the
-# (padded head dim, LSSAR, precise) launches on sm_90, half precision, neither mask nor spans.
-# Measured by compile_check (lssar.ops.triton.cost's cases: bf16, causal; see
-# benchmarks/RESULTS.md); not kept on sm_80 (not measured there).
-WGMMA_ROW_TILES = {(128, 64, 8, 2), (128, 128, 8, 2)}
-MEASURED_WGMMA_ROWS: dict[tuple, frozenset[tuple[int, bool, bool]]] = {}
+# rows, so no element-wise work is done twice, as it is in a 64-row tile with 8 warps): kept on
+# sm_90 where measured without spills, per (kernel, BM, BN, num_warps, num_stages) -> the
+# (padded head dim, LSSAR, precise, FOLD_F) launches, half precision, neither mask nor spans;
+# 128x64 and 128x128 nowhere else, 128x32 also where the estimates keep it (it predates these
+# lists). Measured by compile_check on sm_90, bf16, causal (benchmarks/RESULTS.md, issue 39;
+# the spilling ones: 128x64 for lssa precise at 128 (64 B), lssar precise at 128 (80 B) and
+# every LSSAR training forward at 64 and 128 (8-1428 B); 128x128 for every LSSAR launch and
+# lssa precise (84-4408 B); 128x32 for the LSSAR training forward precise (24-352 B)). Not
+# measured on sm_80.
+WGMMA_ROW_TILES = {(128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 2)}
+MEASURED_WGMMA_ROWS: dict[tuple, frozenset[tuple[int, bool, bool, bool]]] = {
+    ("fwd", 128, 64, 8, 2): frozenset(
+        [(64, False, False, False), (64, False, True, False), (128, False, False, False)]
+        + [(64, True, False, False), (64, True, True, False), (128, True, False, False)]
+    ),
+    ("fwd", 128, 128, 8, 2): frozenset([(64, False, False, False), (128, False, False, False)]),
+    ("fwd", 128, 32, 8, 2): frozenset(
+        [(128, False, False, False), (128, False, True, False), (128, True, False, False)]
+        + [(128, True, True, False), (128, True, False, True), (64, True, False, True)]
+    ),
+}
 
 
 # Key-major dk/dv tiles (for sm_90's wgmma: all four products HGMMA): per (BM, BN, num_warps,
@@ -233,12 +251,20 @@ MEASURED_WGMMA_ROWS: dict[tuple, frozenset[tuple[int, bool, bool]]] = {}
 # with a mask). Spills of the others, B on sm_80 / sm_90: at 128, 16x64 w4 s2: 0 / 120-288,
 # one-grad 32x64 w4 s2: 0 / 8 and 32x128 w8 s2: 4 / 0 (fp16 mask); at 64, both gradients (not
 # in the config list): 32x64 w4 s2: 16 / 0 (fp16 mask), 32x128 w8 s2: 24 / 0 (lssa mask).
+# Since issue 39 (dq fused into dk/dv with atomics by default; dq as k^T dS^T in these tiles),
+# per precision: {precise (SPLIT): largest head dim}, remeasured on sm_90 (bf16, causal, lssa
+# and lssar): one-grad 16x64 w4 s2 at 128 spilled 4-12 B with precise=True only; both
+# gradients, 32 query rows (32x64 w4 s2, 32x128 w8 s2: new in the list) clean at 64, kept only
+# for launches with neither mask nor spans (PLAIN_WGMMA_DKDV: they spilled with masks before).
 MEASURED_WGMMA_DKDV = {
-    (16, 64, 4, 2, False): 64,
-    (16, 64, 4, 2, True): 128,
-    (32, 64, 4, 2, True): 64,
-    (32, 128, 8, 2, True): 64,
+    (16, 64, 4, 2, False): {False: 64, True: 64},
+    (16, 64, 4, 2, True): {False: 128, True: 64},
+    (32, 64, 4, 2, True): {False: 64, True: 64},
+    (32, 128, 8, 2, True): {False: 64, True: 64},
+    (32, 64, 4, 2, False): {False: 64, True: 64},
+    (32, 128, 8, 2, False): {False: 64, True: 64},
 }
+PLAIN_WGMMA_DKDV = {(32, 64, 4, 2, False), (32, 128, 8, 2, False)}
 
 
 def fits(
@@ -253,6 +279,7 @@ def fits(
     arch: int | None = None,
     reweight: bool = True,
     split: bool = True,
+    fold: bool = False,
 ) -> bool:
     """Whether ``cfg`` is expected to run without register spills within shared memory for a
     ``kind`` kernel ("fwd", "dq", "dkdv") at padded head dims ``bd``, ``bdv``; ``ieee``:
@@ -260,14 +287,24 @@ def fits(
     (``ieee`` False: 4-byte tiles, ``TF32_REG_BUDGET``); ``spans``, ``mask``: launched with key
     spans (``HAS_SPANS``), a mask (``HAS_MASK``), for ``MEASURED_SPILLS``; ``arch``: the target
     (``device_arch``; None: any), ``reweight`` (LSSAR), ``split`` (``precise``, hi + lo
-    products). Key-major dk/dv tiles: where ``MEASURED_WGMMA_DKDV`` allows; the two-warpgroup
-    row tiles (:data:`WGMMA_ROW_TILES`): where ``MEASURED_WGMMA_ROWS`` does."""
+    products), ``fold`` (the LSSAR forward for a backward, ``FOLD_F``). Key-major dk/dv tiles:
+    where ``MEASURED_WGMMA_DKDV`` allows; the two-warpgroup row tiles (:data:`WGMMA_ROW_TILES`):
+    where ``MEASURED_WGMMA_ROWS`` does."""
     bm, bn = cfg.kwargs["BM"], cfg.kwargs["BN"]
     w, st = cfg.num_warps, cfg.num_stages
     if (bm, bn, w, st) in WGMMA_ROW_TILES and kind != "dkdv":
         measured = MEASURED_WGMMA_ROWS.get((kind, bm, bn, w, st), frozenset())
         plain = not (ieee or tf32 or spans or mask)
-        return plain and arch == 90 and (max(bd, bdv), reweight, split) in measured
+        if plain and arch == 90 and (max(bd, bdv), reweight, split, fold) in measured:
+            return True
+        if (bm, bn) != (128, 32):  # the newer ones: only where measured
+            return False
+    if cfg.kwargs.get("KEY_MAJOR", False):
+        key = (bm, bn, w, st, bool(cfg.kwargs["ONE_GRAD"]))
+        if key in PLAIN_WGMMA_DKDV and (spans or mask):
+            return False
+        if not ieee and not tf32 and max(bd, bdv) > MEASURED_WGMMA_DKDV[key][split]:
+            return False
     if _excluded(kind, cfg, bd, bdv, ieee, spans, tf32, mask, arch):
         return False
     esize = 4 if ieee or tf32 else 2
@@ -279,7 +316,7 @@ def fits(
         piped_ok = kind != "dkdv" or st == 1
         return piped_ok and bm * bn <= FMA_SCORES_PER_THREAD[kind] * 32 * w
     budget = TF32_REG_BUDGET if tf32 else REG_BUDGET
-    return _cfg_words(kind, cfg, bd, bdv, esize) <= budget[kind]
+    return _cfg_words(kind, cfg, bd, bdv, esize, fold and reweight) <= budget[kind]
 
 
 def _excluded(
@@ -318,8 +355,8 @@ def _measured(
     outside where it was measured clean (``MEASURED_WGMMA_DKDV``)."""
     tile = (cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
     if cfg.kwargs.get("KEY_MAJOR", False):
-        limit = MEASURED_WGMMA_DKDV.get((*tile, bool(cfg.kwargs["ONE_GRAD"])), 0)
-        return ieee or tf32 or max(bd, bdv) > limit
+        limits = MEASURED_WGMMA_DKDV.get((*tile, bool(cfg.kwargs["ONE_GRAD"])), {})
+        return ieee or tf32 or max(bd, bdv) > max(limits.values(), default=0)
     where = {SPANS} if spans else set()
     where |= {MASK} if mask else set()
     where = where or {PLAIN}
@@ -366,6 +403,7 @@ def _pruner(kind: str):
             arch=arch,
             reweight=bool(kwargs.get("REWEIGHT", True)),
             split=bool(kwargs.get("SPLIT", True)),
+            fold=bool(kwargs.get("FOLD_F", False)),
         )
         kept = [c for c in configs if fits(kind, c, bd, bdv, ieee, spans, tf32, mask, **launch)]
         if kind != "dkdv":
@@ -432,7 +470,7 @@ _COL_CONFIGS = _configs(
     ONE_GRAD=False,
 )
 _COL_CONFIGS += _configs(
-    [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2)],
+    [(16, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)],
     KEY_MAJOR=True,
     ONE_GRAD=False,
 )

@@ -351,10 +351,12 @@ def tile_counts(kind: str, seq_len: int, bm: int, bn: int) -> tuple[int, int]:
 
 
 def _passes(kind: str, row: dict) -> int:
-    """Loops over the tiles a kernel makes (before splitting): the LSSAR forward two."""
+    """Loops over the tiles a kernel makes (before splitting): the LSSAR forward two; a
+    one-grad dk/dv tile two, one per program role (each tile is visited by a dk and a dv
+    program)."""
     if kind in ("fwd", "fwd-train"):
         return 2 if row["variant"] == "lssar" else 1
-    return 1
+    return 2 if "one-grad" in row["config"] else 1
 
 
 @dataclasses.dataclass
@@ -386,7 +388,6 @@ def kernel_cost(row: dict, seq_len: int, machine: Machine = HOPPER) -> KernelCos
     bm, bn, warps = _tile(row["config"])
     each = row["loop"]["each"]
     passes = 1 if kind.startswith("fa2") else _passes(kind, row)
-    programs = 2 if "one-grad" in row["config"] else 1
     clean, masked = tile_counts(kind, seq_len, bm, bn)
     if len(each) == passes:  # one loop per pass over every tile
         tiles = [clean + masked] * passes
@@ -398,11 +399,11 @@ def kernel_cost(row: dict, seq_len: int, machine: Machine = HOPPER) -> KernelCos
             f"{passes} or {2 * passes}"
         )
     # per program and tile: thread-instructions = count x 32 x warps; FLOP = per-warp x warps
-    sums = {c: sum(t * lp[c] for t, lp in zip(tiles, each)) * programs for c in _COUNTED}
+    sums = {c: sum(t * lp[c] for t, lp in zip(tiles, each)) for c in _COUNTED}
     thread = {c: v * 32 * warps for c, v in sums.items() if c != "flop"}
     flop = sums["flop"] * warps
     visible = seq_len * (seq_len + 1) / 2
-    computed = sum(tiles) / passes * bm * bn
+    computed = sum(tiles) / passes * bm * bn  # each tile once, whatever visits it
     per_element = {c: v / computed for c, v in thread.items()}
     per_element["flop"] = flop / computed
     return KernelCost(
