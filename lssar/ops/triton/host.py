@@ -384,8 +384,9 @@ def _backward(
 
 
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (:data:`INTERPRET_SMS` when interpreted)."""
-    if _interpreting():
+    """Streaming multiprocessors of ``device`` (:data:`INTERPRET_SMS` when interpreted or
+    recorded on CPU tensors by the compile check)."""
+    if _interpreting() or device.type != "cuda":
         return INTERPRET_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -2,17 +2,19 @@
 
 Device code only. The autotuning (the configurations, the pruning ``fits`` with
 ``MEASURED_SPILLS``, the autotuning key, ``prune_configs_by`` and the
-autotuned launchers ``fwd_tuned`` .. ``dkdv_tuned``) is :mod:`lssar.ops.triton.autotune`, split
-out of this module in issue #23; the host side (launch, custom ops, the public function) is
-:mod:`lssar.ops.triton.host`. At ~830 lines the device code stays one module: the four kernels
-share the jitted device functions (the dot, softplus, the weight rule, the span bounds) that
-Triton resolves from this module's globals.
+autotuned launchers ``fwd_tuned`` .. ``dkdv_tuned``) is :mod:`lssar.ops.triton.autotune`; the
+host side (launch, custom ops, the public function) is :mod:`lssar.ops.triton.host`; the decode
+kernel (split-K, reusing the device functions here) :mod:`lssar.ops.triton.decode`. The kernels
+share the jitted device functions (the dot, softplus, the weight rule, the span bounds, the
+tiles) that Triton resolves from this module's globals, so they stay one module.
 
 FlashAttention-2-style kernels for the softplus-l1 family (lssa, lssar, softplus-l1; any ``p``).
 The math is METHOD.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly (mean-centred
 ``x = softplus(s) - mu_i``, ``mu_i = Z_i / N_i`` for ``N_i > REWEIGHT_MIN_KEYS``,
 ``r = x / x_max``, LSSA weights for rows whose ``x`` are all within ``uniform_tolerance * mu_i``,
-zeros for rows with ``N_i = 0``). Only the schedule differs:
+zeros for rows with ``N_i = 0``), in base 2: scores ``t = s log2 e`` (the row scale carries
+``log2 e``) and weights ``softplus(s) / ln 2 = log2(1 + 2^t)``; ``ln 2`` cancels in every
+normalisation, and ``d log2(1 + 2^t) / dt = sigmoid(s)``. Only the schedule differs:
 
 forward (programs: query blocks x batch*heads on a 1-D grid; the ``T_q x T_k`` scores never exist)
     LSSA: one pass over the key blocks accumulating ``sum_j softplus(s_ij) v_j`` and ``Z_i``
@@ -20,18 +22,25 @@ forward (programs: query blocks x batch*heads on a 1-D grid; the ``T_q x T_k`` s
     LSSAR: pass 1 gives ``Z_i`` and ``m_i = max_j s_ij``; Softplus is monotone, so
     ``x_max = softplus(m_i) - mu_i`` (un-centred ``softplus(m_i)`` when
     ``N_i <= REWEIGHT_MIN_KEYS``); pass 2 accumulates ``r^p v`` and ``W_i = sum_j r^p`` with
-    ``r in [0, 1]`` (no overflow). Per-row statistics ``(N, mu, x_max, W)`` (fp32, ``x_max = 0``
-    marks the LSSA fallback) are kept for the backward.
-backward (deterministic, no atomics)
-    rows kernel: ``D_i = sum_j P_ij dP_ij`` and ``F_i = sum_j dx_ij`` in one pass over the keys
-    (LSSA: ``D_i = g_i . out_i`` and no pass); dq kernel over key blocks per query block; dk/dv
-    kernel over query blocks (and the ``H_q / H_kv`` query heads of a GQA group) per key block
-    (or per key block and gradient: ``ONE_GRAD``, one program for dk and one for dv).
+    ``r in [0, 1]`` (no overflow), and with ``FOLD_F`` (a backward will follow) also
+    ``U_i = sum_j r^(p-1) v_j`` and ``S_i = sum_j r^(p-1)``: ``F_i`` is then ``g_i . AUX_i`` with
+    ``AUX_i = p / (W x_max) (U_i - S_i out_i)``, no pass over the keys. Per-row statistics
+    ``(N, mu, x_max, W)`` (fp32, ``x_max = 0`` marks the LSSA fallback) are kept for the backward.
+    Each pass walks the clean key blocks (every score visible, keys in range: no mask, no
+    compare) and then the masked ones (the causal diagonal, the key tail; every block when a
+    mask or key spans are given); a masked score is ``-inf``, whose weight, sigmoid and score
+    gradient are all 0, so no visibility tile is kept.
+backward
+    rows kernel (per row, no key loop): ``D_i = g_i . out_i``, ``F_i = g_i . AUX_i`` and the row
+    coefficients the others read; dk/dv kernel over query blocks (and the ``H_q / H_kv`` query
+    heads of a GQA group) per key block (or per key block and gradient: ``ONE_GRAD``), adding
+    each tile's dq into an fp32 buffer with atomics (``FUSED_DQ``, the default); with
+    ``deterministic=True`` no atomics: the dq kernel over key blocks per query block instead.
 
 key spans (``HAS_SPANS``; :mod:`lssar.ops.spans`: packed documents, sliding windows, sink tokens,
 the causal rule folded in by the host)
     row ``i`` sees keys ``[lo_i, hi_i)`` and, with ``HAS_SINKS``, ``[slo_i, shi_i)`` (int32 planes
-    from the host). A program over a block of rows (forward, both LSSAR passes; rows; dq) loops
+    from the host). A program over a block of rows (forward, both LSSAR passes; dq) loops
     only over the key blocks of the hulls of its rows' spans, the sinks' and the window's walked
     as one loop that skips the blocks between them (:func:`_span_blocks`); a dk/dv program only
     over the query blocks of the hull of its keys' row ranges (computed on the host, where no
@@ -41,14 +50,14 @@ the causal rule folded in by the host)
 statistics and accumulators are fp32 for every input dtype; fp32 inputs use IEEE fp32 dots, or
 TF32 tensor cores (``IEEE=False``) where torch allows TF32 (see the host). ``SPLIT`` feeds fp32
 weights / score gradients to the tensor cores as a ``hi + lo`` pair in the input dtype (host,
-``precise``). Softplus is ``max(s, 0) + log1p(exp2(-|s| log2 e))``: one EX2, a polynomial log1p.
+``precise``). Softplus is ``max(t, 0) + log2(1 + 2^-|t|)``: one EX2 and a polynomial of degree
+``POLY`` (by precision: :func:`lssar.ops.triton.host._poly`).
 
-One module for the four kernels: they share the device functions above them (the compile check's
-cache is keyed by this source, line numbers included: host-side edits belong in the autotune or
-host module). ``TRITON_INTERPRET=1`` must be set before ``triton`` is first imported
-(``triton.jit``, here and in ``triton.language``'s own helpers such as ``tl.zeros``, picks
-compiled or interpreted code when a function is decorated); :data:`INTERPRETED` records which it
-picked.
+The compile check's cache is keyed by this source, line numbers included: host-side edits belong
+in the autotune or host module. ``TRITON_INTERPRET=1`` must be set before ``triton`` is first
+imported (``triton.jit``, here and in ``triton.language``'s own helpers such as ``tl.zeros``,
+picks compiled or interpreted code when a function is decorated); :data:`INTERPRETED` records
+which it picked.
 """
 
 import triton
