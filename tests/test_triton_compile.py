@@ -120,14 +120,15 @@ def test_sm90_half_precision_main_loops_use_wgmma(reduced):
 
 def test_spilling_config_is_detected(tmp_path):
     # The check must be able to fail (a planted regression): a tile measured to spill (the LSSAR
-    # forward at head dim 128, bf16, precise=False, 128x128, 8 warps, 2 stages on sm_90: 255
-    # registers and ~280 B spill stores) is compiled, flagged by problems() when the autotuner
-    # could pick it, and the autotuner's pruning must not keep it.
+    # training forward at head dim 128, bf16, precise=False, 128x64, 8 warps, 2 stages on sm_90:
+    # 255 registers and 124 B spill stores; the inference forward in the same tile does not
+    # spill) is compiled, flagged by problems() when the autotuner could pick it, and the
+    # autotuner's pruning must not keep it.
     res = _run_json(
         tmp_path,
         "case = cc.Case(128, 'bf16', True, 'lssar', False, precise=False)\n"
         "b = [x for x in cc.builds([case], (90,))\n"
-        "     if x.kernel == 'fwd' and x.config == '128x128 w8 s2']\n"
+        "     if x.kernel == 'fwd-train' and x.config == '128x64 w8 s2']\n"
         "kept = b[0].kept\n"
         "b[0].kept = True\n"
         "rows = cc.run(b, 1)\n"
@@ -378,3 +379,41 @@ def test_full_grid_every_config(tmp_path):
     rows, report = _check(tmp_path, "--grid", "full")
     assert all(r["ok"] for r in rows), report[-6000:]
     _assert_clean(rows, report)
+
+
+def test_cost_model_arithmetic():
+    """The static model on fixed inputs (lssar.ops.triton.cost): MMA shapes to FLOP, the tiles a
+    causal problem visits, a kernel's clocks from its per-loop counts, the calibration."""
+    from lssar.ops.triton import cost as C
+    from lssar.ops.triton.sass import mma_flop
+
+    assert mma_flop("HGMMA.64x128x16.F32.BF16") == 2 * 64 * 128 * 16 / 4  # per warp
+    assert mma_flop("HMMA.16816.F32.BF16") == 2 * 16 * 8 * 16
+    assert mma_flop("FFMA") == 0
+    with pytest.raises(ValueError, match="unknown HMMA"):
+        mma_flop("HMMA.999.F32")
+    # T = 256 in 64x64 tiles: 4 + 3 + 2 + 1 = 10 tiles, the 4 on the diagonal masked
+    assert C.tile_counts("fwd", 256, 64, 64) == (6, 4)
+    assert C.tile_counts("dkdv", 256, 64, 64) == (6, 4)
+    assert C.tile_counts("fwd", 256, 128, 64) == (2, 4)  # two diagonal key blocks per row block
+
+    def loop(total, mufu, flop):
+        return {"total": total, "ex2": mufu, "lg2": 0, "rcp": 0, "mufu": mufu, "atomic": 0,
+                "local": 0, "flop": flop}  # fmt: skip
+
+    # one pass split in two loops: clean (10 instr, 1 MUFU, 1024 FLOP per warp and tile) and
+    # masked (14 instr); 64x64 tiles, 4 warps; T = 256: 6 clean tiles, 4 masked
+    row = {"case": "c", "kernel": "fwd", "variant": "lssa", "config": "64x64 w4 s2",
+           "loop": {"each": [loop(10, 1, 1024), loop(14, 1, 1024)]}}  # fmt: skip
+    k = C.kernel_cost(row, 256)
+    visible = 256 * 257 / 2
+    thread = (6 * 10 + 4 * 14) * 32 * 4
+    assert k.issue == pytest.approx(thread / 128 / visible)
+    assert k.mufu == pytest.approx(10 * 32 * 4 / 16 / visible)
+    assert k.tensor == pytest.approx(10 * 1024 * 4 / 4096 / visible)
+    assert k.clocks == pytest.approx(k.tensor + max(k.issue, k.mufu))
+    assert k.unsplit == pytest.approx(k.tensor + 10 * 14 * 32 * 4 / 128 / visible)
+    assert k.per_element["total"] == pytest.approx(thread / (10 * 64 * 64))
+    with pytest.raises(RuntimeError, match="innermost loops"):
+        C.kernel_cost({**row, "loop": {"each": [loop(1, 0, 0)] * 3}}, 256)
+    assert C.fa2_factor(128, "fwd") == pytest.approx(0.7 * 616 / 335)
