@@ -162,9 +162,16 @@ MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
     ),
     ("dq", 256, "ieee", 16, 16, 4, 2): frozenset({PLAIN, MASK}),  # 8-20 B; 0 with sinks
     ("dq", 128, "ieee", 16, 16, 4, 2): frozenset({MASK}),  # 28-52 B at 255 registers
-    # 8-20 B sm_80, lssar bf16 with a mask, at 255 registers (0 on sm_90; its other sm_80 LSSAR
-    # launches sit at 255 too): from the full grid's kept-only check
-    ("fwd", 64, "half", 64, 64, 8, 2): frozenset({MASK}),
+    # 8-20 B sm_80, lssar bf16 with a mask, at 255 registers (0 on sm_90), from the full grid's
+    # kept-only check; since issue 39 also without (8 B): SPILL_ARCHS
+    ("fwd", 64, "half", 64, 64, 8, 2): ANYWHERE,
+    # issue 39 (the reduced grid, kept-only): dk/dv with the fused dq at head dim 128, 16-152 B
+    # on sm_80 and sm_90 (lssa, lssar; fast, precise, a mask, sinks); the LSSAR training
+    # forward (FOLD_F: "fwd-train", looked up for those launches) at head dim 64, 20-304 B
+    ("dkdv", 128, "half", 32, 32, 4, 2): ANYWHERE,
+    ("fwd-train", 64, "half", 64, 64, 8, 3): ANYWHERE,
+    ("fwd-train", 64, "half", 64, 64, 8, 2): ANYWHERE,
+    ("fwd-train", 64, "half", 64, 32, 8, 2): ANYWHERE,  # 8 B sm_80
     **dict.fromkeys(
         [
             ("dq", 64, "half", 64, 32, 4, 2),
@@ -183,6 +190,7 @@ SPILL_ARCHS: dict[tuple, frozenset[int]] = {
     **dict.fromkeys(
         [
             ("fwd", 64, "half", 64, 64, 8, 2),
+            ("fwd-train", 64, "half", 64, 32, 8, 2),
             ("fwd", 64, "tf32", 128, 32, 8, 2),
             ("fwd", 128, "tf32", 64, 64, 8, 2),
             ("fwd", 64, "tf32", 64, 64, 8, 3),
@@ -254,15 +262,16 @@ MEASURED_WGMMA_ROWS: dict[tuple, frozenset[tuple[int, bool, bool, bool]]] = {
 # Since issue 39 (dq fused into dk/dv with atomics by default; dq as k^T dS^T in these tiles),
 # per precision: {precise (SPLIT): largest head dim}, remeasured on sm_90 (bf16, causal, lssa
 # and lssar): one-grad 16x64 w4 s2 at 128 spilled 4-12 B with precise=True only; both
-# gradients, 32 query rows (32x64 w4 s2, 32x128 w8 s2: new in the list) clean at 64, kept only
-# for launches with neither mask nor spans (PLAIN_WGMMA_DKDV: they spilled with masks before).
+# gradients, 32 query rows (32x64 w4 s2, 32x128 w8 s2: new in the list) clean at 64 with
+# precise=False (8-112 B with precise=True), kept only for launches with neither mask nor spans
+# (PLAIN_WGMMA_DKDV: they spilled with masks before).
 MEASURED_WGMMA_DKDV = {
     (16, 64, 4, 2, False): {False: 64, True: 64},
     (16, 64, 4, 2, True): {False: 128, True: 64},
     (32, 64, 4, 2, True): {False: 64, True: 64},
     (32, 128, 8, 2, True): {False: 64, True: 64},
-    (32, 64, 4, 2, False): {False: 64, True: 64},
-    (32, 128, 8, 2, False): {False: 64, True: 64},
+    (32, 64, 4, 2, False): {False: 64, True: 0},  # precise: 8-112 B at 64
+    (32, 128, 8, 2, False): {False: 64, True: 0},
 }
 PLAIN_WGMMA_DKDV = {(32, 64, 4, 2, False), (32, 128, 8, 2, False)}
 
@@ -305,7 +314,7 @@ def fits(
             return False
         if not ieee and not tf32 and max(bd, bdv) > MEASURED_WGMMA_DKDV[key][split]:
             return False
-    if _excluded(kind, cfg, bd, bdv, ieee, spans, tf32, mask, arch):
+    if _excluded(kind, cfg, bd, bdv, ieee, spans, tf32, mask, arch, fold and reweight):
         return False
     esize = 4 if ieee or tf32 else 2
     if _shared_bytes(kind, bm, bn, st, bd, bdv, esize) > SHARED_BUDGET:
@@ -329,6 +338,7 @@ def _excluded(
     tf32: bool,
     mask: bool,
     arch: int | None = None,
+    fold: bool = False,
 ) -> bool:
     """Whether ``cfg`` is ruled out for the launch whatever the estimates say: it spilled in a
     measured launch like this one on this arch (:func:`_measured`), or it is a row tile with one
@@ -336,7 +346,7 @@ def _excluded(
     leaves half the warps idle in every product)."""
     one_score = cfg.kwargs["BM"] * cfg.kwargs["BN"] < 64 * cfg.num_warps
     fma_only = not ieee and kind != "dkdv" and one_score
-    return fma_only or _measured(kind, cfg, bd, bdv, ieee, spans, tf32, mask, arch)
+    return fma_only or _measured(kind, cfg, bd, bdv, ieee, spans, tf32, mask, arch, fold)
 
 
 def _measured(
@@ -349,10 +359,12 @@ def _measured(
     tf32: bool,
     mask: bool = False,
     arch: int | None = None,
+    fold: bool = False,
 ) -> bool:
-    """Whether ``cfg`` spilled in a measured launch like this one (``MEASURED_SPILLS``) on
-    ``arch`` (``SPILL_ARCHS``; None: on either); a key-major dk/dv tile: whether the launch is
-    outside where it was measured clean (``MEASURED_WGMMA_DKDV``)."""
+    """Whether ``cfg`` spilled in a measured launch like this one (``MEASURED_SPILLS``; the
+    LSSAR training forward, ``fold``, also under "fwd-train") on ``arch`` (``SPILL_ARCHS``;
+    None: on either); a key-major dk/dv tile: whether the launch is outside where it was
+    measured clean (``MEASURED_WGMMA_DKDV``)."""
     tile = (cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
     if cfg.kwargs.get("KEY_MAJOR", False):
         limits = MEASURED_WGMMA_DKDV.get((*tile, bool(cfg.kwargs["ONE_GRAD"])), {})
@@ -362,10 +374,12 @@ def _measured(
     where = where or {PLAIN}
 
     def spilled(precision: str) -> frozenset[str]:
-        key = (kind, max(bd, bdv), precision, *tile)
-        if arch is not None and arch not in SPILL_ARCHS.get(key, frozenset({arch})):
-            return frozenset()  # it spilled on the other arch only
-        return MEASURED_SPILLS.get(key, frozenset())
+        hits = frozenset()
+        for name in (kind, "fwd-train") if fold and kind == "fwd" else (kind,):
+            key = (name, max(bd, bdv), precision, *tile)
+            if arch is None or arch in SPILL_ARCHS.get(key, frozenset({arch})):
+                hits |= MEASURED_SPILLS.get(key, frozenset())  # (else: the other arch only)
+        return hits
 
     if ieee:
         hits = spilled("ieee")
@@ -414,7 +428,7 @@ def _pruner(kind: str):
             kept = short or kept[-1:]
         if not kept:  # the fewest live words, among the tiles not ruled out (_excluded) if any
             esize = 4 if ieee or tf32 else 2
-            flags = (ieee, spans, tf32, mask, arch)
+            flags = (ieee, spans, tf32, mask, arch, launch["fold"] and launch["reweight"])
             pool = [c for c in configs if not _excluded(kind, c, bd, bdv, *flags)]
             kept = [min(pool or configs, key=lambda c: _cfg_words(kind, c, bd, bdv, esize))]
         return kept

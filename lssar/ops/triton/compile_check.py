@@ -50,6 +50,7 @@ import triton
 
 from lssar.ops.spans import key_spans
 from lssar.ops.triton import autotune as A
+from lssar.ops.triton import decode as DEC
 from lssar.ops.triton import host
 from lssar.ops.triton import kernels as K
 from lssar.ops.triton.sass import loop_counts, opcode_counts, sass
@@ -120,12 +121,13 @@ def grid(name: str) -> list[Case]:
     and the same head dims, dtypes and variants with causal spans (window, window + sinks), and
     fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans),
     each with the default backward (dq fused into dk/dv) and with ``deterministic=True`` (the dq
-    kernel); and decode steps (head dim 64/128/256 x bf16/fp32 x lssa/lssar x a key padding mask
-    or not x 16 or 64 packed query rows: the decode kernel's BM). ``reduced`` (the default test
+    kernel); and decode steps (head dim 64/128/256 x bf16/fp16 x lssa/lssar x a key padding mask
+    or not x 16 or 64 packed query rows, the decode kernel's BM, where the host takes the decode
+    kernel: rows x head dim <= ``decode.MAX_ROW_ELEMENTS``). ``reduced`` (the default test
     run): the combinations whose resources differ most (head dim 128 in bf16 and fp32, head dim
     64 and 256 in bf16, causal, lssar; one lssa and one masked case; one with spans and sinks,
     the superset of the span code; one with ``precise=False``; one with ``deterministic=True``;
-    a bf16 decode step with 16 rows and an fp32 one at head dim 256 with 64 rows and a mask);
+    bf16 decode steps with 16 rows, and with 64 rows and a mask);
     causal, mask
     and spans add a few integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases
     with TF32 allowed that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a
@@ -161,13 +163,14 @@ def grid(name: str) -> list[Case]:
             for v in ("lssa", "lssar")
             for sp in ("window", "sinks")
         ]
-        decode = [
+        decode = [  # the steps the host runs on the decode kernel (decode.applies)
             Case(d, dt, True, v, m, decode=rows)
             for d in (64, 128, 256)
-            for dt in ("bf16", "fp32")
+            for dt in ("bf16", "fp16")
             for v in ("lssa", "lssar")
             for m in (False, True)
             for rows in (16, 64)
+            if rows * d <= DEC.MAX_ROW_ELEMENTS
         ]
         return _both_backwards(plain + spans + tf32) + decode
     if name == "reduced":
@@ -182,7 +185,7 @@ def grid(name: str) -> list[Case]:
             Case(128, "bf16", True, "lssar", False, precise=False),
             Case(128, "bf16", True, "lssar", False, deterministic=True),
             Case(128, "bf16", True, "lssar", False, decode=16),
-            Case(256, "fp32", True, "lssar", True, decode=64),
+            Case(128, "bf16", True, "lssar", True, decode=64),
         ]
     if name == "tf32":  # the cases TF32_REG_BUDGET and the "tf32" MEASURED_SPILLS were set on
         return [

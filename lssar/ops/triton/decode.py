@@ -24,6 +24,7 @@ rules: bottom-right causal, a boolean mask broadcast to ``[B, H, T_q, T_k]``); n
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -207,8 +208,17 @@ def _configs() -> list[triton.Config]:
     ]
 
 
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """128-key blocks only up to head dim 64 (at 128 the LSSAR output pass spilled 24-112 B on
+    sm_80 / sm_90 with 16 rows; compile_check)."""
+    wide = max(kwargs["BD"], kwargs["BDV"]) > 64
+    return [c for c in configs if not (wide and c.kwargs["BN"] > 64)] or configs[:1]
+
+
 decode_tuned = triton.autotune(
-    _configs(), key=["BM", "BD", "BDV", "REWEIGHT", "PASS", "HAS_MASK", "IEEE", "SPLIT"]
+    _configs(),
+    key=["BM", "BD", "BDV", "REWEIGHT", "PASS", "HAS_MASK", "IEEE", "SPLIT"],
+    prune_configs_by={"early_config_prune": _prune},
 )(decode_kernel)
 
 
@@ -217,11 +227,25 @@ def rows_per_program(g: int, t_q: int) -> int:
     return max(16, triton.next_power_of_2(g * t_q))
 
 
-def applies(query: Tensor, key: Tensor, spans: object) -> bool:
-    """Whether a call is a decode step for these kernels: the packed rows fit one tile
-    (``G T_q <= MAX_ROWS``), no key spans, and no gradient to record (the caller's check)."""
+# the largest packed rows x padded head dim per program: q in registers and the fp32
+# accumulator of a 64 x 128 (or 32 x 256) tile (compile_check's decode cases)
+MAX_ROW_ELEMENTS = 64 * 128
+
+
+def applies(query: Tensor, key: Tensor, value: Tensor, spans: object) -> bool:
+    """Whether a call is a decode step for these kernels: half-precision inputs (fp32 on FMA
+    units spilled kilobytes at 64 rows, head dim 256: it keeps the prefill kernels), the packed
+    rows fit one tile (``G T_q <= MAX_ROWS``, and rows x head dim within
+    :data:`MAX_ROW_ELEMENTS`), no key spans, and no gradient to record (the caller's check)."""
     g = query.shape[1] // key.shape[1]
-    return spans is None and g * query.shape[2] <= MAX_ROWS and key.shape[2] > 0
+    dim = triton.next_power_of_2(max(query.shape[-1], value.shape[-1], 16))
+    return (
+        spans is None
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and g * query.shape[2] <= MAX_ROWS
+        and rows_per_program(g, query.shape[2]) * dim <= MAX_ROW_ELEMENTS
+        and key.shape[2] > 0
+    )
 
 
 def splits(programs: int, t_k: int, sms: int, align: int = MAX_BN) -> tuple[int, int]:

@@ -317,7 +317,8 @@ def _aux_shape(q: Tensor, v: Tensor, p: float | None, fold: bool) -> tuple[int, 
 
 def _deterministic(deterministic: bool) -> bool:
     """The backward's dq: deterministic (its own kernel) if asked for or if torch's
-    ``torch.use_deterministic_algorithms(True)`` is in force; else fused into dk/dv (atomics)."""
+    ``torch.use_deterministic_algorithms(True)`` is in force; else fused into dk/dv (atomics),
+    for half-precision inputs (:func:`_backward`)."""
     return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
 
 
@@ -341,7 +342,8 @@ def _backward(
     bd, bdv = L.meta["BD"], L.meta["BDV"]
     dev = q.device
     rc = torch.empty(K.RC_PLANES, B, H, t_q, dtype=torch.float32, device=dev)  # row coefficients
-    fused = not _deterministic(deterministic)
+    # fp32 inputs keep the dq kernel: the fused dq spilled in their FMA-unit dk/dv tiles
+    fused = not _deterministic(deterministic) and q.dtype in (torch.float16, torch.bfloat16)
     dq = (torch.zeros if fused else torch.empty)(B, H, t_q, bd, dtype=torch.float32, device=dev)
     dk = torch.empty(B, hk, t_k, bd, dtype=torch.float32, device=dev)
     dvv = torch.empty(B, hk, t_k, bdv, dtype=torch.float32, device=dev)
@@ -448,11 +450,15 @@ def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
-def _decode_step(query: Tensor, key: Tensor, spans: KeySpans | None, grad: bool) -> bool:
+def _decode_step(
+    query: Tensor, key: Tensor, value: Tensor, spans: KeySpans | None, grad: bool
+) -> bool:
     """Whether a call runs on the decode kernels: at most :data:`DECODE_MAX_QUERIES` queries,
     their GQA group's rows fit one tile (:func:`lssar.ops.triton.decode.applies`), and no
     gradient to record (``grad``)."""
-    return query.shape[2] <= DECODE_MAX_QUERIES and DEC.applies(query, key, spans) and not grad
+    return (
+        query.shape[2] <= DECODE_MAX_QUERIES and DEC.applies(query, key, value, spans) and not grad
+    )
 
 
 @torch.library.custom_op("lssar::triton_softplus_attention", mutates_args=())
@@ -610,7 +616,7 @@ def triton_attention(
         # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant
         query, key = _unit_scale(query), _unit_scale(key)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if _decode_step(query, key, spans, grad):
+    if _decode_step(query, key, value, spans, grad):
         args = (float(c), log_n, bool(variant.qk_norm), None if p is None else float(p))
         return triton_softplus_decode_op(
             query, key, value, attn_mask, bool(is_causal), *args, bool(precise)
