@@ -275,10 +275,10 @@ def _forward(
     q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=None, for_backward=True
 ):
     """``(out, stats, aux)``: the output, the rows' ``(N, mu, x_max, W)`` (fp32
-    ``(4, B, H, T_q)``) and, for LSSAR with ``for_backward``, ``p / (W x_max) (U - S out)`` per
-    row (fp32 ``(B, H, T_q, BDV)``, :func:`lssar.ops.triton.kernels.fwd_kernel`), which the
-    backward turns into ``F_i`` with no pass over the keys (empty otherwise: an inference
-    forward skips the extra product and accumulator)."""
+    ``(4, B, H, T_q)``) and, for LSSAR with ``for_backward``, ``p / (W x_max) (U - S out)`` and
+    the fp32 output per row (``(B, H, T_q, 2, BDV)``, :func:`lssar.ops.triton.kernels.fwd_kernel`),
+    which the backward turns into ``F_i`` and an exact ``D_i`` with no pass over the keys (empty
+    otherwise: an inference forward skips the extra product and accumulator)."""
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
@@ -312,7 +312,7 @@ def _forward(
 
 def _aux_shape(q: Tensor, v: Tensor, p: float | None, fold: bool) -> tuple[int, ...]:
     """Shape of the forward's ``aux`` output: LSSAR's per-row vectors, or empty."""
-    return (*q.shape[:3], _pow2(v.shape[-1])) if p is not None and fold else (0,)
+    return (*q.shape[:3], 2, _pow2(v.shape[-1])) if p is not None and fold else (0,)
 
 
 def _deterministic(deterministic: bool) -> bool:
@@ -482,8 +482,8 @@ def triton_softplus_attention_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward. ``q (B,H_q,T_q,D)``, ``k (B,H_kv,T_k,D)``, ``v (B,H_kv,T_k,D_v)`` ->
     ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W,
-    ``aux`` fp32: LSSAR's ``(B,H_q,T_q,BDV)`` vectors for ``F_i`` when ``for_backward``, else
-    empty).
+    ``aux`` fp32: LSSAR's ``(B,H_q,T_q,2,BDV)`` vectors for ``F_i`` and ``D_i`` when
+    ``for_backward``, else empty).
 
     ``scale`` is ``ln(D)`` when ``log_n`` (then ``c_i = scale * ln N_i``), else the constant ``c``;
     ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None;

@@ -631,9 +631,13 @@ def fwd_kernel(
     )
     if FOLD_F:
         # F_i = sum_j dx_ij = p / (W x_max) sum_j r^(p-1) (dP_ij - D_i) = g_i . AUX_i with
-        # AUX_i = p / (W x_max) (U_i - S_i out_i) (0 for LSSA-fallback rows): fp32 (B,H,Tq,BDV)
+        # AUX_i = p / (W x_max) (U_i - S_i out_i) (0 for LSSA-fallback rows), and the fp32
+        # output for an exact D_i = g_i . out_i (the stored one is rounded: its D_i, amplified
+        # by p r^(p-1) / (W x_max), took bf16 gradients past the accuracy rule): fp32
+        # (B,H,Tq,2,BDV)
         coef = tl.where(has, p * winv * inv_xmax, 0.0)
-        _store_rows(AUX, rows, (uacc - s2[:, None] * out) * coef[:, None], rmask, DV, BDV)
+        _store_rows(AUX, 2 * rows, (uacc - s2[:, None] * out) * coef[:, None], rmask, DV, BDV)
+        _store_rows(AUX, 2 * rows + 1, out, rmask, DV, BDV)
     tl.store(ST + plane + rows, mu, mask=rmask)
     tl.store(ST + 2 * plane + rows, xmax, mask=rmask)
     tl.store(ST + 3 * plane + rows, wsum, mask=rmask)
@@ -653,8 +657,9 @@ def bwd_rows_kernel(
     DV: tl.constexpr, BDV: tl.constexpr, LOG_N: tl.constexpr, QK_NORM: tl.constexpr,
     REWEIGHT: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
-    # Per row, no pass over the keys: D_i = g_i . out_i, F_i = g_i . AUX_i (LSSAR: fwd_kernel's
-    # p / (W x_max) (U_i - S_i out_i)) and the row coefficients the dq and dk/dv kernels read
+    # Per row, no pass over the keys: D_i = g_i . out_i (LSSAR: the fp32 output of AUX),
+    # F_i = g_i . AUX_i (LSSAR: fwd_kernel's p / (W x_max) (U_i - S_i out_i)) and the row
+    # coefficients the dq and dk/dv kernels read
     # (RC_*): c_i (times 1/|q_i|), 1/W_i, D_i, mu_i, 1/x_max (0 for LSSA-fallback rows),
     # p / (W_i x_max) and the mean-centring term F_i / N_i (N_i > 3, else 0).
     pid_m, pid_bh = _program(Tq, BM)
@@ -666,7 +671,11 @@ def bwd_rows_kernel(
     rows = pid_bh * Tq + offs_m
     go = _ld(GO + b * sgb + h * sgh, pid_m * BM, sgt, offs_dv, rmask, DV, BDV, BM, True)
     go = go.to(tl.float32)
-    o = _ld(O + b * sob + h * soh, pid_m * BM, sot, offs_dv, rmask, DV, BDV, BM, True)
+    if REWEIGHT:
+        aux = AUX + (2 * rows[:, None]) * BDV + offs_dv[None, :]
+        o = tl.load(aux + BDV, mask=rmask[:, None], other=0.0)
+    else:
+        o = _ld(O + b * sob + h * soh, pid_m * BM, sot, offs_dv, rmask, DV, BDV, BM, True)
     n = tl.load(ST + rows, mask=rmask, other=0.0)
     wtot = tl.load(ST + 3 * plane + rows, mask=rmask, other=0.0)
     winv = 1.0 / tl.where(wtot > 0, wtot, 1.0)
@@ -676,8 +685,8 @@ def bwd_rows_kernel(
     if REWEIGHT:
         xmax = tl.load(ST + 2 * plane + rows, mask=rmask, other=0.0)
         inv_xmax = tl.where(xmax > 0, 1.0 / tl.where(xmax > 0, xmax, 1.0), 0.0)
-        aux = tl.load(AUX + rows[:, None] * BDV + offs_dv[None, :], mask=rmask[:, None], other=0.0)
-        fn = tl.where(n > MIN_KEYS, tl.sum(go * aux, 1) / tl.maximum(n, 1.0), 0.0)
+        f = tl.sum(go * tl.load(aux, mask=rmask[:, None], other=0.0), 1)
+        fn = tl.where(n > MIN_KEYS, f / tl.maximum(n, 1.0), 0.0)
         tl.store(RC + RC_MU * plane + rows, tl.load(ST + plane + rows, mask=rmask), mask=rmask)
         tl.store(RC + RC_INV_XMAX * plane + rows, inv_xmax, mask=rmask)
         tl.store(RC + RC_COEF * plane + rows, p * winv * inv_xmax, mask=rmask)
