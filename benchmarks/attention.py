@@ -49,7 +49,7 @@ CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax-qknorm-logn (SDPA)", "softmax-qknorm-logn", "sdpa"),
     ("softmax + ALiBi (SDPA, query blocks)", "softmax", "sdpa+alibi"),
     ("softmax + ALiBi reference", "softmax", "reference+alibi"),
-    # issue #26: packed documents (cu_seqlens) and a sliding window, O(T * W) work and memory
+    # packed documents (cu_seqlens) and a sliding window, O(T * W) work and memory
     ("softmax (SDPA), packed docs of 512", "softmax", "sdpa+packed"),
     ("lssar p=15 cpu, packed docs of 512", "lssar", "cpu+packed"),
     ("lssar p=15 chunked, packed docs of 512", "lssar", "chunked+packed"),

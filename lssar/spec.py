@@ -6,8 +6,8 @@ from the registry). It is the one place that
 
 * validates the triple (:func:`check_attention`),
 * names it: :attr:`AttentionSpec.label` (``"lssar p=15"``, the key of ``reproduce``'s tables and
-  claims), :meth:`AttentionSpec.slug` (``"lssar-p15"``, for run and file names) and
-  :func:`run_label` (``"lssa -> lssar p=15 (eval only)"`` for a rule switched after training),
+  claims) and :meth:`AttentionSpec.slug` (``"lssar-p15"``, for run and file names; a result's
+  label, a rule switched after training included, is :func:`lssar.studies.labels.run_label`),
 * switches it after training (:meth:`AttentionSpec.override`, the rule below), and
 * reads and writes the config forms stored in run directories and HF ``config.json`` files
   (:meth:`AttentionSpec.from_config`, :meth:`AttentionSpec.to_config`,
@@ -28,8 +28,6 @@ from typing import Any
 import torch
 
 from lssar.ops.registry import IMPLS, get_variant, resolve
-
-EVAL_ONLY = "(eval only)"
 
 
 def check_attention(attn: str, options: Mapping[str, Any], impl: str = "auto") -> dict[str, Any]:
@@ -162,20 +160,3 @@ class AttentionSpec:
             raise ValueError(f"TrainConfig has no field for the option(s) {other} of {self.label}")
         out = {"attn": self.name, "attn_p": self.options.get("p"), "attn_impl": self.impl}
         return out | ({"attn_n": self.options["n"]} if "n" in self.options else {})
-
-
-def run_label(
-    trained: AttentionSpec | str,
-    evaluated: AttentionSpec | str | None = None,
-    rope_scaling: str | None = None,
-) -> str:
-    """The label of a result: the trained rule's, or ``"lssa -> lssar p=15 (eval only)"`` when
-    it was evaluated with another rule, ``"softmax -> yarn auto (eval only)"`` with a RoPE
-    scaling (``rope_scaling``: its label), ``"lssa -> lssar p=15 + yarn x4 (eval only)"`` with
-    both. Accepts specs or their labels (as results store them)."""
-    t = trained.label if isinstance(trained, AttentionSpec) else trained
-    e = evaluated.label if isinstance(evaluated, AttentionSpec) else evaluated
-    if rope_scaling:
-        switched = rope_scaling if e is None or e == t else f"{e} + {rope_scaling}"
-        return f"{t} -> {switched} {EVAL_ONLY}"
-    return t if e is None or e == t else f"{t} -> {e} {EVAL_ONLY}"

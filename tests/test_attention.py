@@ -194,7 +194,7 @@ def test_reweighting_on_other_normalisers_gradcheck(name):
 
 
 def _paper_lssar(q, k, p):
-    """METHOD.md sections 3-4 literally, one row at a time, for a causal single head."""
+    """docs/method.md sections 3-4 literally, one row at a time, for a causal single head."""
     t, d = q.shape
     rows = []
     for i in range(t):
@@ -622,7 +622,9 @@ def test_registry_entries_match_their_functions():
 
 def test_no_backend_imports_the_registry():
     """The registry owns its backends: no module of lssar.ops imports it (or lssar, which
-    re-exports it), and importing lssar imports no backend (they load on first use)."""
+    re-exports it); importing lssar imports neither it nor torch (the lssar command sets
+    OpenMP's environment first), and reaching lssar.attention loads the registry but no backend
+    (they load on first use)."""
     ops = Path(registry.__file__).parent
     for path in sorted(ops.rglob("*.py")):
         if path.name == "registry.py":
@@ -638,6 +640,8 @@ def test_no_backend_imports_the_registry():
                 assert name not in ("lssar", "lssar.ops.registry"), (path, name)
     code = (
         "import sys, lssar\n"
+        "assert 'torch' not in sys.modules and 'lssar.ops' not in sys.modules\n"
+        "lssar.attention\n"
         "loaded = [m for m in sys.modules if m.startswith('lssar.ops.')]\n"
         "assert sorted(loaded) == ['lssar.ops.common', 'lssar.ops.registry', "
         "'lssar.ops.spans', 'lssar.ops.variants'], loaded\n"

@@ -91,7 +91,7 @@ def test_gpt2_known_ids_and_round_trip() -> None:
 
 
 def test_tokenizer_name_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'byte', 'gpt2' or 'bpe-<N>'"):
+    with pytest.raises(ValueError, match="'byte', 'gpt2', 'bpe-<N>' .* or 'hf:<model dir>'"):
         get_tokenizer("sentencepiece")
     with pytest.raises(ValueError, match=">= 258"):
         get_tokenizer("bpe-100", corpus_dir=tmp_path)

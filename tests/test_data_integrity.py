@@ -1,4 +1,4 @@
-"""Integrity of dataset directories (issue #22): manifests read as untrusted input, checksums
+"""Integrity of dataset directories: manifests read as untrusted input, checksums
 verified on first use (and remembered), one preparer per dataset, a full disk during prepare."""
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +15,16 @@ from lssar.cli import main as cli_main
 from lssar.data import passkey
 from lssar.ops.variants import VARIANTS
 from lssar.spec import AttentionSpec
-from lssar.studies.lm import evaluate, presets, reproduce
+from lssar.studies import common
+from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import passkey as pk
 from lssar.studies.lm import report as reproduce_report
+from lssar.studies.lm import study as lm_study
 from lssar.train import train
 from lssar.train.config import load_config
 from lssar.train.runs import load_run
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(
     n_layer=2,
     n_head=2,
@@ -527,6 +531,11 @@ def test_report_with_one_seed_gives_no_interval_and_flags_dirty_code(tmp_path, c
     assert text.splitlines()[2].startswith("**Built from uncommitted code**: 1 of 2 results")
     assert "measured -3.700 -> **no interval**" in text and "With one seed there is no" in text
     assert "Multiple seeds" not in text and "-> **supported**" not in text
+    # what one seed can and cannot show, and links to the 3-seed reports the verdicts rest on
+    said = text.split("## What one seed can and cannot show")[1].split("\n## ")[0]
+    assert "cannot show that one arm is better" in said and "another machine" in said
+    target = re.search(r"\[`cpu-2026-12-03`\]\(([^)]+)\)", said)[1]
+    assert (tmp_path / "r" / target).resolve() == ROOT / "reports/cpu-2026-12-03/REPORT.md"
     clean_env["git_dirty"] = True  # a clean run, reported from a dirty checkout
     text = _report(tmp_path, [results[1]], name="d", preset="quick")
     assert (
@@ -633,6 +642,24 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
     assert (tmp_path / "p" / "passkey.png").stat().st_size > 0
 
 
+def test_whole_command_progress_reads_the_runs_logs(tmp_path):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for r in runs:
+        r.mkdir()
+    (runs[0] / "log.jsonl").write_text('{"event": "train", "step": 50}\n')  # resumed from 50
+    progress = lm_study.CommandProgress(runs, steps_per_run=175)
+    assert progress.before == 50 and "time left: after the first logged steps" in progress.line()
+    progress.started -= 60.0  # a minute into the command
+    with (runs[0] / "log.jsonl").open("a") as f:
+        f.write('{"event": "train", "step": 150}\n{"event": "tr')  # a line being appended
+    line = progress.line()
+    assert line.startswith("[whole command] 150/350 training steps over 2 runs, 1.0 min elapsed")
+    assert line.endswith("about 2 min left")  # 200 steps at 100 steps a minute
+    for r in runs:
+        (r / "log.jsonl").write_text('{"event": "train", "step": 175}\n')
+    assert progress.line().endswith("training done, the last evaluations are running")
+
+
 def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     """Train 6 arms x 2 seeds (softmax, lssa, lssar p=15, the alternatives ALiBi and LSSAR
     without positions, and the decomposition's QK-norm softmax with its scale fixed at the
@@ -664,10 +691,10 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     data_dir = load_run(runs["softmax"])[2]["data_dir"]
     shrink = [f"{k}={v}" for k, v in TINY.items() if k not in ("seq_len", "eval_tokens")]
     overrides = [*shrink, "seq_len=96", "eval_tokens=192", "max_steps=3", f"data_dir={data_dir}"]
-    kw = dict(runs_dir=tmp_path / "runs", reports_dir=tmp_path / "reports", progress=False)
-    out = reproduce.reproduce("tiny", overrides=overrides, **kw)
+    kw = dict(runs=tmp_path / "runs", out=tmp_path / "reports" / "tiny", progress=False)
+    out = lm_study.run_study("tiny", overrides=overrides, **kw)
     text = (out / "REPORT.md").read_text()
-    assert out.name.startswith("tiny-") and text.splitlines()[2].startswith(("Built", "**Built"))
+    assert out == kw["out"] and text.splitlines()[2].startswith(("Built", "**Built"))
     for label in (
         "softmax",
         "softmax, sliding window 96",
@@ -709,7 +736,7 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
     assert len(stamps) == 18  # each preset keeps its evaluations apart: RUN/eval/<preset>/<tag>
     assert all(p.parent.parent.name == "tiny" for p in stamps)
-    again = reproduce.reproduce("tiny", overrides=overrides, **kw)
+    again = lm_study.run_study("tiny", overrides=overrides, **kw)
     assert (again / "REPORT.md").exists()
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("results.json")}
 
@@ -721,30 +748,30 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
 
     def fake_units(fn, units, jobs=1, on_done=None):
         seen["jobs"], seen["units"] = jobs, units
-        return [[[{"arm": a, "seed": u[2]}] for a in u[1]] for u in units]
+        return [[[{"arm": a, "seed": u[3]}] for a in u[2]] for u in units]
 
     def fake_report(name, preset, results, out, seconds):
         seen["results"] = results
         return out
 
-    monkeypatch.setattr(reproduce, "run_units", fake_units)
-    monkeypatch.setattr(reproduce, "write_report", fake_report)
-    reproduce.reproduce("cpu-baselines", tmp_path / "runs", tmp_path / "rep", jobs=2)
+    monkeypatch.setattr(common, "run_units", fake_units)
+    monkeypatch.setattr(reproduce_report, "write_report", fake_report)
+    lm_study.run_study("cpu-baselines", tmp_path / "runs", tmp_path / "rep", jobs=2)
     preset = presets.PRESETS["cpu-baselines"]
     assert seen["jobs"] == 2
-    groups = [(u[2], u[1]) for u in seen["units"]]
+    groups = [(u[3], u[2]) for u in seen["units"]]
     roped = ("softmax", *(a for a in preset.arms if a.startswith("softmax -> ")))
     assert groups[0] == (0, roped) and len(groups) == 5 * 3  # 5 runs per seed
-    names = [reproduce._run_name("tiny-cpu", presets.ARMS[a[0]], s) for s, a in groups]
+    names = [lm_study._run_name("tiny-cpu", presets.ARMS[a[0]], s) for s, a in groups]
     assert len(set(names)) == len(names)
     assert [(r["seed"], r["arm"]) for r in seen["results"]] == [
         (s, a) for s in preset.seeds for a in preset.arms
     ]
     with pytest.raises(ValueError, match="--jobs 0"):
-        reproduce.reproduce("quick", tmp_path / "runs", jobs=0)
+        lm_study.run_study("quick", tmp_path / "runs", jobs=0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="under torchrun"):
-        reproduce.reproduce("quick", tmp_path / "runs", jobs=2)
+        lm_study.run_study("quick", tmp_path / "runs", jobs=2)
 
 
 def _changes(a: str, b: str) -> int:

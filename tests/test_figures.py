@@ -16,14 +16,14 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 
 from lssar.positions import with_pos
-from lssar.spec import run_label
 from lssar.studies import style
+from lssar.studies.labels import eval_label, group, key, run_label
 from lssar.studies.lm import presets as lm
-from lssar.studies.lm.figures import group, plot_results
-from lssar.studies.lm.reproduce import at_training_length
+from lssar.studies.lm.figures import plot_results
+from lssar.studies.lm.study import at_training_length
 from lssar.studies.orbits import presets as orbits
 from lssar.studies.recall import presets as recall
-from lssar.studies.style import MAX_LINES, colour, facets, key, linestyle
+from lssar.studies.style import MAX_LINES, colour, facets, linestyle
 
 matplotlib.use("Agg")
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
@@ -41,7 +41,7 @@ def _lab(c: str) -> np.ndarray:
 
 
 def _lm_labels(preset: lm.Preset, train_len: int = 128) -> list[str]:
-    """The result labels a preset's report has (as :func:`lssar.studies.lm.figures.label_of`
+    """The result labels a preset's report has (as :func:`lssar.studies.labels.label_of`
     gives them; a constant-scale arm carries n = the training length)."""
     out = []
     for name in preset.arms:
@@ -63,8 +63,8 @@ def _recall_labels(cfg: recall.StudyConfig) -> list[str]:
     for name in cfg.arms:
         arm = recall.ARMS[name]
         if arm.own_rule:
-            out.append(recall.eval_label(arm, None))
-        out += [recall.eval_label(arm, r) for r in recall.eval_rules(arm, cfg.eval_ps)]
+            out.append(eval_label(arm, None))
+        out += [eval_label(arm, r) for r in recall.eval_rules(arm, cfg.eval_ps)]
     return out
 
 

@@ -1,4 +1,5 @@
-"""The README's findings agree with the committed reports they quote (lssar.studies.findings)."""
+"""The findings (docs/findings.md, and the README's one-line summaries) agree with the committed
+reports they quote (lssar.studies.findings)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lssar.studies.findings import (
+    check_page,
     check_text,
     equivalence_words,
     findings_section,
     main,
+    project_root,
 )
-from lssar.studies.lm.figures import label_of
+from lssar.studies.labels import label_of
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = "reports/cpu-baselines-2026-12-03"
@@ -23,13 +27,19 @@ def _one(sentence: str, marker: str) -> list:
     return check_text(f"\n- {sentence}\n  <!-- check {REPORT}: {marker} -->\n", ROOT)
 
 
-def test_every_readme_finding_agrees_with_its_report():
-    text = (ROOT / "README.md").read_text()
-    checks = check_text(text, ROOT)
-    assert len(checks) >= 30  # every bullet of the findings carries its markers
+@pytest.mark.parametrize("page, least", [("docs/findings.md", 100), ("README.md", 10)])
+def test_every_finding_agrees_with_its_report(page, least):
+    checks, words = check_page(ROOT / page)
+    assert len(checks) >= least  # every bullet of the findings carries its markers
     assert [(c.line, c.expr, c.problem) for c in checks if c.problem] == []
-    assert equivalence_words(findings_section(text)) == []
-    assert main([str(ROOT / "README.md")]) == 0
+    assert words == []
+    assert main([str(ROOT / page)]) == 0
+
+
+def test_the_findings_page_is_findings_from_its_title_on():
+    text = "# Findings\n\nIntro.\n\n## Recall\n\nLSSAR ties ALiBi.\n"
+    assert equivalence_words(findings_section(text)) == ["ties"]
+    assert project_root(ROOT / "docs" / "findings.md") == ROOT
 
 
 def test_a_wrong_number_a_wrong_verdict_and_an_unquoted_number_fail():

@@ -18,8 +18,10 @@ ROOT = Path(lssar.__file__).resolve().parent
 # own layer and the ones after it, never from one before it.
 LAYERS = [
     ("cli", ("lssar.cli", "lssar.__main__")),
-    ("integrations", ("lssar.integrations", "lssar.hf")),
+    # studies are experiments built on everything below them, Hugging Face models included (the
+    # conversion study fine-tunes and evaluates them); integrations never import a study
     ("studies", ("lssar.studies",)),
+    ("integrations", ("lssar.integrations", "lssar.hf")),
     ("training", ("lssar.train",)),
     ("data", ("lssar.data",)),
     ("model", ("lssar.model", "lssar.spec", "lssar.positions", "lssar.runio")),

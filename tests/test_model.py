@@ -178,7 +178,7 @@ def test_attn_mask_reaches_every_layer(attn):
     assert not torch.allclose(windowed[:, -1], full[:, -1])
 
 
-# ----------------------------------------------------------------------- positions (issue #24)
+# ----------------------------------------------------------------------- positions
 
 
 @pytest.mark.parametrize(

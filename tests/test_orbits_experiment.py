@@ -1,4 +1,4 @@
-"""Tests for the orbits experiment (lssar.studies.orbits: experiment, models, report)."""
+"""Tests for the orbits experiment (lssar.studies.orbits: study, models, report)."""
 
 import json
 import shutil
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lssar.cli import main
-from lssar.studies.orbits import experiment as ex
 from lssar.studies.orbits import kepler, symreg
+from lssar.studies.orbits import study as ex
 from lssar.studies.orbits.models import (
     OrbitGPT,
     OrbitModelConfig,
@@ -17,6 +17,19 @@ from lssar.studies.orbits.models import (
     finetune_force,
     predict_force,
 )
+from lssar.train.checkpoint import VERSION as CKPT_VERSION
+from lssar.train.checkpoint import load_checkpoint
+
+
+def _dirs(root, preset):
+    """The runs and the report of ``preset`` under ``root`` (the layout of ``--out`` before)."""
+    return root / "runs" / f"orbits-{preset}", root / "reports" / f"orbits-{preset}"
+
+
+def _cli(tmp_path):
+    """``lssar orbits`` with its runs and report in ``tmp_path``."""
+    return ["orbits", "--runs", str(tmp_path / "r"), "--out", str(tmp_path)]
+
 
 # Tiny sizes: the whole pipeline (data, pretraining, probes, SR, report) in seconds.
 MICRO = {
@@ -37,7 +50,7 @@ ARMS = ["softmax", "lssar", "softmax-masses", "oracle"]
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("orbits")
-    first = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
+    first = ex.run_study("quick", ARMS, [0], *_dirs(out, "quick"), MICRO, progress=False)
     return out, first
 
 
@@ -69,6 +82,9 @@ def test_micro_end_to_end_report(micro):
             run_dir = out / "runs" / "orbits-quick" / f"{r['arm']}-s0"
             for f in ("pretrained.pt", "finetuned.pt", "predictions.npz", "result.json"):
                 assert (run_dir / f).exists()
+            for f in ("pretrained.pt", "finetuned.pt"):  # models in the one checkpoint format
+                assert load_checkpoint(run_dir / f)["version"] == CKPT_VERSION
+            assert "git_sha" in json.loads((run_dir / "env.json").read_text())
             c = r["ceiling"]
             assert c["max_err"] <= c["max_err_q95"] and c["n_draws"] == 200
             assert c["sr"]["n_points"] == MICRO["sr_points"] and "expression" in c["sr"]["gp"]
@@ -101,7 +117,7 @@ def test_rerun_reuses_every_stage(micro):
         }
 
     before = stamps()
-    again = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
+    again = ex.run_study("quick", ARMS, [0], *_dirs(out, "quick"), MICRO, progress=False)
     assert again["computed"] == []
     assert stamps() == before
 
@@ -111,7 +127,9 @@ def test_changed_code_recomputes_every_stage(micro, tmp_path, monkeypatch):
     out = tmp_path / "copy"
     shutil.copytree(src, out)
     monkeypatch.setattr(ex, "code_digest", lambda sources: "other-code")
-    again = ex.run_experiment("quick", ["softmax", "oracle"], [0], out, MICRO, progress=False)
+    again = ex.run_study(
+        "quick", ["softmax", "oracle"], [0], *_dirs(out, "quick"), MICRO, progress=False
+    )
     assert again["computed"] == [
         "softmax-s0:pretrain",
         "softmax-s0:probe",
@@ -135,7 +153,7 @@ def test_changed_code_recomputes_every_stage(micro, tmp_path, monkeypatch):
 def test_bad_set_is_one_error_line_before_anything_is_written(setting, match, tmp_path, capsys):
     with pytest.raises(ValueError, match=match):
         ex.resolve_preset("quick", ex.parse_set([setting]))
-    assert main(["orbits", "--out", str(tmp_path), "--set", setting]) == 2
+    assert main([*_cli(tmp_path), "--set", setting]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert list(tmp_path.iterdir()) == []
@@ -147,8 +165,8 @@ def test_changed_setting_recomputes_only_later_stages(micro, tmp_path):
     shutil.copytree(src, out)
     d = out / "runs" / "orbits-quick" / "softmax-s0"
     pre = (d / "pretrained.pt").stat().st_mtime_ns
-    again = ex.run_experiment(
-        "quick", ["softmax"], [0], out, {**MICRO, "sr_points": 50}, progress=False
+    again = ex.run_study(
+        "quick", ["softmax"], [0], *_dirs(out, "quick"), {**MICRO, "sr_points": 50}, progress=False
     )
     assert again["computed"] == ["softmax-s0:sr"]
     assert (d / "pretrained.pt").stat().st_mtime_ns == pre
@@ -167,7 +185,7 @@ def test_killed_run_resumes_at_last_finished_stage(micro, tmp_path):
         (runs / "lssar-s0" / f).unlink()
     (runs / "lssar-s0" / "pretrained.pt").write_bytes(b"truncated")
     pre = (runs / "softmax-s0" / "pretrained.pt").stat().st_mtime_ns
-    again = ex.run_experiment("quick", ARMS, [0], out, MICRO, progress=False)
+    again = ex.run_study("quick", ARMS, [0], *_dirs(out, "quick"), MICRO, progress=False)
     assert again["computed"] == [
         "softmax-s0:probe",
         "softmax-s0:sr",
@@ -250,8 +268,14 @@ def test_vafa_preset_discrete_smoke(tmp_path, one_thread):
         "sr_points": 40,
         "sr_budget_s": 1.0,
     }
-    out = ex.run_experiment(
-        "vafa", ["softmax", "oracle"], [0], tmp_path, over, fmt="discrete", progress=False
+    out = ex.run_study(
+        "vafa",
+        ["softmax", "oracle"],
+        [0],
+        *_dirs(tmp_path, "vafa"),
+        over,
+        fmt="discrete",
+        progress=False,
     )
     soft = out["results"][0]
     assert soft["pretrain"]["loss"].startswith("cross-entropy")
@@ -265,8 +289,8 @@ def test_bad_names_raise_clear_errors(tmp_path, capsys):
         ex.check_arms(["softmax", "transformer-xl"])
     with pytest.raises(ValueError, match="unknown setting 'lr'"):
         ex.resolve_preset("quick", {"lr": 1.0})
-    assert main(["orbits", "--preset", "nope", "--out", str(tmp_path)]) == 2
-    assert main(["orbits", "--arms", "softmax,bogus", "--out", str(tmp_path)]) == 2
+    assert main(["orbits", "--preset", "nope", "--runs", str(tmp_path)]) == 2
+    assert main(["orbits", "--arms", "softmax,bogus", "--runs", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "valid presets" in err and "'bogus'" in err and err.count("\n") == 2
 
@@ -277,8 +301,15 @@ def test_ceiling_settings_are_checked_before_anything_runs(tmp_path):
         ({"ceiling_draws": 0}, "ceiling_draws=0 must be a whole number >= 1"),
     ):
         with pytest.raises(ValueError, match=msg):
-            ex.run_experiment("quick", ["oracle"], [0], tmp_path, {**MICRO, **bad}, progress=False)
-    assert not (tmp_path / "data").exists()
+            ex.run_study(
+                "quick",
+                ["oracle"],
+                [0],
+                *_dirs(tmp_path, "quick"),
+                {**MICRO, **bad},
+                progress=False,
+            )
+    assert not (tmp_path / "runs").exists()
 
 
 def test_cpu_preset_has_4x_the_probe_systems_of_quick():
@@ -309,10 +340,15 @@ def test_set_overrides_are_typed():
 
 def test_impossible_orbits_surface_kepler_message(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"e_max must be in \[0, 1\)"):
-        ex.run_experiment(
-            "quick", ["oracle"], [0], tmp_path, {**MICRO, "data.e_max": 1.5}, progress=False
+        ex.run_study(
+            "quick",
+            ["oracle"],
+            [0],
+            *_dirs(tmp_path, "quick"),
+            {**MICRO, "data.e_max": 1.5},
+            progress=False,
         )
-    assert main(["orbits", "--out", str(tmp_path), "--set", "data.m1_range=(2.0, 1.0)"]) == 2
+    assert main([*_cli(tmp_path), "--set", "data.m1_range=(2.0, 1.0)"]) == 2
     assert "m1_range must satisfy" in capsys.readouterr().err
 
 
@@ -320,8 +356,16 @@ def test_missing_sr_backend_names_what_to_install(tmp_path, capsys):
     if "pysr" in symreg.installed_backends():
         pytest.skip("pysr is installed here")
     with pytest.raises(ImportError, match="pyoperon"):
-        ex.run_experiment("quick", ["oracle"], [0], tmp_path, MICRO, backend="pysr", progress=False)
-    assert main(["orbits", "--out", str(tmp_path), "--sr-backend", "pysr"]) == 2
+        ex.run_study(
+            "quick",
+            ["oracle"],
+            [0],
+            *_dirs(tmp_path, "quick"),
+            MICRO,
+            backend="pysr",
+            progress=False,
+        )
+    assert main([*_cli(tmp_path), "--sr-backend", "pysr"]) == 2
     assert "pip install pyoperon" in capsys.readouterr().err
 
 

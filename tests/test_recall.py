@@ -89,6 +89,7 @@ def test_bad_length():
 
 from lssar.studies.recall.presets import ARMS, StudyConfig, preset_config  # noqa: E402
 from lssar.studies.recall.study import run_dir, run_study, train_arm, units  # noqa: E402
+from lssar.train.checkpoint import save_checkpoint  # noqa: E402
 
 TINY_TASK = RecallTask(train_len=24, n_pairs=2, n_queries=2, n_keys=8, n_values=8, n_filler=4)
 
@@ -161,9 +162,9 @@ def test_end_to_end_rows_and_report(tmp_path):
         assert (out / png).stat().st_size > 1000
     # a second invocation reuses the finished runs (no retraining)
     rd = run_dir(tmp_path / "runs", cfg, ARMS["softmax"], 0)
-    before = (rd / "model.pt").stat().st_mtime_ns
+    before = (rd / "ckpt/final.pt").stat().st_mtime_ns
     run_study(cfg, tmp_path / "rep2", tmp_path / "runs", progress=False, attention_maps=False)
-    assert (rd / "model.pt").stat().st_mtime_ns == before
+    assert (rd / "ckpt/final.pt").stat().st_mtime_ns == before
     rows2 = json.loads((tmp_path / "rep2" / "results.json").read_text())["rows"]
     assert rows2 == rows
 
@@ -205,9 +206,12 @@ def test_resume_matches_uninterrupted(tmp_path):
     _, info = train_arm(cfg, arm, 0, tmp_path / "b", progress=False, stop_after=3)
     rd = run_dir(tmp_path / "b", cfg, arm, 0)
     assert info == {"finished": False, "step": 3}
-    assert (rd / "ckpt.pt").exists() and not (rd / "done.json").exists()
+    assert (rd / "ckpt/latest.pt").exists() and not (rd / "DONE").exists()
     resumed, done = train_arm(cfg, arm, 0, tmp_path / "b", progress=False)
-    assert done["finished"] and done["steps"] == 6 and not (rd / "ckpt.pt").exists()
+    assert done["finished"] and done["steps"] == 6 and (rd / "ckpt/final.pt").exists()
+    # the log continues where the checkpoint was: every 50 steps and the last, no duplicates
+    assert [r["step"] for r in done["log"]] == [6]
+    assert json.loads((rd / "env.json").read_text())["start_step"] == 3
     for (n, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), n
 
@@ -299,7 +303,7 @@ def test_parallel_jobs_give_the_same_rows(tmp_path):
     assert np.abs(acc1 - acc2).max() <= 1 / 6  # one flipped near-tie at most (threads differ)
 
 
-# ------------------------------------------------------------- files read back (issue #22)
+# ------------------------------------------------------------- files read back
 
 
 class _Planted:
@@ -317,13 +321,14 @@ def test_a_planted_checkpoint_is_read_as_data_and_never_run(tmp_path):
     rd = run_dir(tmp_path / "runs", cfg, ARMS["lssa"], 0)
     rd.mkdir(parents=True)
     marker = tmp_path / "code-ran"
-    torch.save({"model": _Planted(marker)}, rd / "ckpt.pt")
-    with pytest.raises(ValueError, match=r"ckpt\.pt is damaged or not this study's.*delete it"):
+    (rd / "ckpt").mkdir()
+    torch.save({"model": _Planted(marker)}, rd / "ckpt/latest.pt")
+    with pytest.raises(ValueError, match=r"latest\.pt is corrupt \(it holds Python objects"):
         train_arm(cfg, ARMS["lssa"], 0, tmp_path / "runs", progress=False)
     assert not marker.exists()
-    (rd / "ckpt.pt").unlink()
+    (rd / "ckpt/latest.pt").unlink()
     train_arm(cfg, ARMS["lssa"], 0, tmp_path / "runs", progress=False, stop_after=2)
-    half = rd / ".ckpt.pt.4242.tmp"  # a checkpoint write that was killed: removed on resume
+    half = rd / "ckpt" / ".latest.pt.4242.tmp"  # a checkpoint write that was killed: removed
     half.write_bytes(b"partial")
     _, done = train_arm(cfg, ARMS["lssa"], 0, tmp_path / "runs", progress=False)
     assert done["finished"] and not half.exists()
@@ -342,17 +347,19 @@ def test_recall_eval_cache_is_keyed_by_model_and_sequences(tmp_path):
     again = evaluate_arm(model, other, arm, None, rd)
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    (fresh / "model.pt").write_bytes((rd / "model.pt").read_bytes())
+    (fresh / "ckpt").mkdir()
+    (fresh / "ckpt/final.pt").write_bytes((rd / "ckpt/final.pt").read_bytes())
     assert again == evaluate_arm(model, other, arm, None, fresh) != first
-    # a retrained model (other weights in model.pt) is scored again
+    # a retrained model (other weights in ckpt/final.pt) is scored again
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1)
-    torch.save(model.state_dict(), rd / "model.pt")
+    save_checkpoint(rd / "ckpt/final.pt", model=model.state_dict())
     evaluate_arm(model, other, arm, None, rd)
     stored = json.loads((rd / "eval-trained-6.json").read_text())
     assert (
-        stored["key"]["model_sha256"] == hashlib.sha256((rd / "model.pt").read_bytes()).hexdigest()
+        stored["key"]["model_sha256"]
+        == hashlib.sha256((rd / "ckpt/final.pt").read_bytes()).hexdigest()
     )
 
 

@@ -1,6 +1,6 @@
 """Legal-but-awkward inputs, held to the same contract by every implementation.
 
-Each class below was once a crash or a silent wrong answer (issue #15): broadcast masks at every
+Each class below was once a crash or a silent wrong answer: broadcast masks at every
 block size, key-axis broadcasting in N_i, half precision, masks that only broadcast *with* the
 scores, NaN padding, degenerate sizes, extreme vector norms, underflowing rows, torch.func. The
 grid of (implementation, variant) pairs comes from the registry, so a new backend is tested too.
@@ -314,7 +314,7 @@ def test_ssmax_s_must_be_finite(s):
 @pytest.mark.parametrize(
     "impl,name,opts",
     # the Triton kernels form softplus in registers: the relative row there is a kernel change
-    # left for a GPU session (README, "Bad input"), so they are not held to this case yet
+    # left for a GPU session (docs/api.md, awkward inputs), so they are not held to this case yet
     [c for c in CASES if c.values[1] in ("softplus-l1", "sigmoid-l1") and c.values[0] != "triton"],
 )
 def test_underflowing_rows_are_normalised(impl, name, opts):
@@ -370,3 +370,19 @@ def test_flex_forward_holds_the_padding_contract():
         got = _attn(q, kp, v, "flex", name, {}, grad=False, attn_mask=keep, is_causal=True)[0]
         ref = _attn(q, k, v, "reference", name, {}, grad=False, attn_mask=keep, is_causal=True)[0]
         assert torch.isfinite(got).all() and err(got, ref) < 1e-4
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked", "cpu", "auto"])
+def test_autocast_takes_mixed_float32_and_bf16_inputs_as_sdpa_does(impl):
+    # an HF Llama under bf16 autocast rotates q, k in float32 (its cos/sin are float32) and
+    # passes v in bf16: SDPA casts all three to autocast's dtype, so lssar must too
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = lssar.attention(q, k, v.bfloat16(), is_causal=True, impl=impl)
+        same = lssar.attention(*(t.bfloat16() for t in (q, k, v)), is_causal=True, impl=impl)
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed, same, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="share a dtype"):  # without autocast: still refused
+        lssar.attention(q, k, v.bfloat16(), is_causal=True, impl=impl)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="share"):
+        lssar.attention(q.double(), k, v, is_causal=True, impl=impl)  # float64 is never cast

@@ -1,4 +1,4 @@
-"""Packed documents (``cu_seqlens``), sliding windows and sink tokens (issue #26), on every
+"""Packed documents (``cu_seqlens``), sliding windows and sink tokens, on every
 implementation that takes them, against each document run alone and against the dense mask the
 rule stands for, forward and gradients, within the accuracy rule of tests/accuracy.py.
 

@@ -13,13 +13,15 @@ from lssar.cli import main as cli_main
 from lssar.integrations.lm_eval import LssarLM
 from lssar.model import GPT, GPTConfig
 from lssar.positions import RopeScaling
-from lssar.spec import AttentionSpec, run_label
+from lssar.spec import AttentionSpec
+from lssar.studies.labels import run_label
 from lssar.studies.lm import evaluate, presets
 from lssar.studies.lm import report as reproduce_report
 from lssar.studies.lm.presets import SOFTMAX
 from lssar.train import sample_cli
+from lssar.train.checkpoint import save_checkpoint
 from lssar.train.config import TrainConfig, model_config
-from lssar.train.runs import load_run, save_checkpoint
+from lssar.train.runs import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,7 +39,7 @@ def test_labels_are_the_strings_reports_look_up():
     assert run_label(lssa, lssar15) == "lssa -> lssar p=15 (eval only)"
     assert run_label("lssa", "lssar p=15") == run_label(lssa, lssar15)
     assert run_label(lssa, lssa) == run_label("lssa") == "lssa"
-    # a RoPE scaling at evaluation, alone and with a switched rule (issue #24)
+    # a RoPE scaling at evaluation, alone and with a switched rule
     assert run_label("softmax", "softmax", "yarn auto") == "softmax -> yarn auto (eval only)"
     assert run_label(lssa, lssar15, "yarn x4") == "lssa -> lssar p=15 + yarn x4 (eval only)"
     # the claims of reproduce's report are found by these labels

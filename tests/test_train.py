@@ -49,6 +49,11 @@ def tiny(data_dir: Path, out_dir: Path, **kw) -> TrainConfig:
     return load_config(None, over)
 
 
+# `lssar train` on 2 CPU processes (gloo), as a user starts it
+TRAIN_ON_2_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+TRAIN_ON_2_RANKS += ["--nproc_per_node=2", "-m", "lssar", "train"]
+
+
 def log_of(run: Path, event: str = "train") -> list[dict]:
     lines = (run / "log.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["event"] == event]
@@ -272,14 +277,7 @@ def test_ddp_matches_single_process(data_dir: Path, tmp_path: Path) -> None:
     args = [f"--{k}={v}" for k, v in over.items()]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "lssar",
-        "train",
+        *TRAIN_ON_2_RANKS,
         "--no-progress",
         "--run_name=ddp",
         *args,

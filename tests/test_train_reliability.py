@@ -1,4 +1,4 @@
-"""Reliability of training runs (issue #22): one trainer per run directory, torn logs, temp files
+"""Reliability of training runs: one trainer per run directory, torn logs, temp files
 of killed writers, a full disk, a loss that stops being finite, bad input refused before the run
 directory is written."""
 
@@ -18,8 +18,8 @@ from lssar.cli import main
 from lssar.runio import LOCK_FILE, DiskFullError, LockedError
 from lssar.train import loop as train_loop
 from lssar.train import train
+from lssar.train.checkpoint import load_checkpoint, read_log
 from lssar.train.loop import DivergedError
-from lssar.train.runs import load_checkpoint, read_log
 from tests.test_runio import lock_held_elsewhere
 from tests.test_train import TINY, log_of, tiny
 

@@ -3,6 +3,7 @@ documents in a deterministic order, split into train/val at document level."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
@@ -24,9 +25,38 @@ def default_corpus_files() -> list[Path]:
     return files
 
 
+# Debian's documentation packages: long English technical documents, installed offline with
+# `apt-get install python3.11-doc linux-doc-6.1` (the reST sources of the Python 3.11 manual and
+# of the Linux kernel's Documentation/, gzipped by Debian)
+DEBIAN_DOCS = "debian-docs"
+_DEBIAN_DOC_GLOBS = (
+    ("/usr/share/doc/python3.11/html/_sources", "**/*.rst.txt"),
+    ("/usr/share/doc/linux-doc-6.1/Documentation", "**/*.rst.gz"),
+)
+
+
+def debian_doc_files() -> list[tuple[Path, Path]]:
+    """``(root, file)`` of every document of the ``debian-docs`` corpus, in a fixed order."""
+    out = []
+    for root, pattern in _DEBIAN_DOC_GLOBS:
+        base = Path(root)
+        if not base.is_dir():
+            raise FileNotFoundError(
+                f"corpus {DEBIAN_DOCS!r} needs {base}: `apt-get install python3.11-doc "
+                "linux-doc-6.1` (Debian 12)"
+            )
+        out += [(base, f) for f in sorted(base.glob(pattern)) if f.is_file()]
+    return out
+
+
+def _read(f: Path) -> str:
+    raw = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
+    return raw.decode("utf-8", errors="replace")
+
+
 def _read_files(files: list[Path], root: Path) -> Iterator[tuple[str, str]]:
     for f in files:
-        yield f.relative_to(root).as_posix(), f.read_text("utf-8", errors="replace")
+        yield f.relative_to(root).as_posix(), _read(f)
 
 
 def _resolve_corpus(corpus: str) -> tuple[str, Callable[[], Iterator[tuple[str, str]]], int | None]:
@@ -34,11 +64,17 @@ def _resolve_corpus(corpus: str) -> tuple[str, Callable[[], Iterator[tuple[str, 
     if corpus == "shakespeare":
         files = default_corpus_files()
         return corpus, lambda: _read_files(files, files[0].parent), len(files)
+    if corpus == DEBIAN_DOCS:
+        pairs = debian_doc_files()
+        docs = lambda: ((f"{r.name}/{f.relative_to(r).as_posix()}", _read(f)) for r, f in pairs)  # noqa: E731
+        return corpus, docs, len(pairs)
     if corpus.startswith("hf:"):
         return _resolve_hf(corpus)
     path = Path(corpus).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"corpus {corpus!r}: no such file/dir (or 'shakespeare', 'hf:...')")
+        raise FileNotFoundError(
+            f"corpus {corpus!r}: no such file/dir (or 'shakespeare', '{DEBIAN_DOCS}', 'hf:...')"
+        )
     path = path.resolve()
     if path.is_file():
         return str(path), lambda: _read_files([path], path.parent), 1

@@ -26,7 +26,13 @@ from lssar.data.manifest import (
     read_manifest,
     verify_files,
 )
-from lssar.data.tokenizers import TOKENIZER_FILE, _bpe_size, get_tokenizer, train_bpe
+from lssar.data.tokenizers import (
+    TOKENIZER_FILE,
+    _bpe_size,
+    get_tokenizer,
+    hf_model_dir,
+    train_bpe,
+)
 from lssar.runio import DiskFullError, atomic_write, exclusive_lock
 
 
@@ -110,8 +116,11 @@ def prepare(
     if shard_tokens < 1 or seed < 0:
         raise ValueError(f"need shard_tokens >= 1 and seed >= 0, got {shard_tokens=} {seed=}")
     _bpe_size(tokenizer)  # a bad tokenizer name fails before the corpus is read
+    if (model_dir := hf_model_dir(tokenizer)) is not None:  # one name per model directory
+        tokenizer = f"hf:{model_dir.resolve()}"
     corpus_id, docs, n_docs_known = _resolve_corpus(corpus)
-    out = Path(out_dir) if out_dir is not None else Path("data") / f"{_slug(corpus)}-{tokenizer}"
+    default = Path("data") / f"{_slug(corpus)}-{_slug(tokenizer)}"
+    out = Path(out_dir) if out_dir is not None else default
     key = dict(corpus=corpus_id, tokenizer=tokenizer, val_fraction=val_fraction, seed=seed)
     key.update(max_tokens=max_tokens, max_docs=max_docs)  # a complete dataset is reused iff equal
     if (out / MANIFEST).exists():
@@ -166,7 +175,9 @@ def _write(
     def doc_stream() -> Iterator[tuple[str, str]]:
         return _assign_splits(islice(docs(), max_docs), val_fraction, seed)
 
-    if bpe_size is not None:  # train on the train split only (capped near max_tokens)
+    if (model_dir := hf_model_dir(tokenizer)) is not None:  # the dataset keeps its own copy
+        atomic_write(out / TOKENIZER_FILE, (model_dir / TOKENIZER_FILE).read_bytes())
+    elif bpe_size is not None:  # train on the train split only (capped near max_tokens)
         texts = (t for s, t in doc_stream() if s == "train")
         if max_tokens is not None:
             texts = _capped(texts, 8 * max_tokens)
@@ -226,7 +237,7 @@ def _write(
             for s, w in writers.items()
         },
     }
-    if bpe_size is not None:
+    if (out / TOKENIZER_FILE).is_file():  # trained (bpe-<N>) or copied (hf:<dir>) for it
         manifest["tokenizer_sha256"] = _sha256_file(out / TOKENIZER_FILE)
     atomic_write(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
 

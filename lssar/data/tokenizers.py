@@ -101,6 +101,40 @@ class BPETokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class HFTokenizer(BPETokenizer):
+    """A pretrained model's own tokenizer (``hf:<model dir>``: its ``tokenizer.json``, read with
+    HF ``tokenizers``, no transformers needed). Documents are separated by ``<|endoftext|>`` when
+    the vocabulary has it, else by the model's ``eos_token_id`` (``config.json``)."""
+
+    def __init__(self, path: str | Path, name: str, eos: int | None = None) -> None:
+        super().__init__(path, name)
+        if self.eot is None:
+            self.eot = eos
+
+
+HF_PREFIX = "hf:"
+
+
+def hf_model_dir(name: str) -> Path | None:
+    """The model directory of an ``hf:<dir>`` tokenizer name (None for the other kinds);
+    ``ValueError`` unless it holds a ``tokenizer.json``."""
+    if not name.startswith(HF_PREFIX):
+        return None
+    path = Path(name[len(HF_PREFIX) :]).expanduser()
+    if not (path / TOKENIZER_FILE).is_file():
+        raise ValueError(
+            f"tokenizer {name!r}: {path} has no {TOKENIZER_FILE}; give a Hugging Face model "
+            "directory (save a GGUF model's tokenizer with `lssar convert` first)"
+        )
+    return path
+
+
+def _hf_eos(model_dir: Path) -> int | None:
+    cfg = model_dir / "config.json"
+    eos = json.loads(cfg.read_text()).get("eos_token_id") if cfg.is_file() else None
+    return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
+
+
 def _package_dir(module: str, pip_spec: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
@@ -137,20 +171,28 @@ def _gpt2_encoding() -> Any:
 
 
 def _bpe_size(name: str) -> int | None:
-    """N for a ``"bpe-<N>"`` name, None for byte/gpt2; ValueError for anything else."""
-    if name in ("byte", "gpt2"):
+    """N for a ``"bpe-<N>"`` name, None for byte/gpt2/hf:<dir>; ValueError for anything else."""
+    if name in ("byte", "gpt2") or hf_model_dir(name) is not None:
         return None
     m = re.fullmatch(r"bpe-(\d+)", name)
     if m is None:
-        raise ValueError(f"unknown tokenizer {name!r}: use 'byte', 'gpt2' or 'bpe-<N>' (bpe-8192)")
+        raise ValueError(
+            f"unknown tokenizer {name!r}: use 'byte', 'gpt2', 'bpe-<N>' (bpe-8192) or "
+            "'hf:<model dir>' (a pretrained model's own)"
+        )
     if not 258 <= int(m[1]) <= 2**31:
         raise ValueError(f"{name!r}: vocab must be >= 258 (256 bytes, eot, merges), e.g. bpe-8192")
     return int(m[1])
 
 
 def get_tokenizer(name: str, corpus_dir: str | Path | None = None) -> Tokenizer:
-    """Tokenizer by name: ``"byte"``, ``"gpt2"``, or ``"bpe-<N>"`` loaded from ``corpus_dir``."""
-    if _bpe_size(name) is None:
+    """Tokenizer by name: ``"byte"``, ``"gpt2"``, ``"bpe-<N>"`` loaded from ``corpus_dir``, or
+    ``"hf:<model dir>"`` (a dataset keeps a copy of that model's file: it is read from
+    ``corpus_dir`` when given, so a dataset never changes under a model directory that did)."""
+    model_dir = hf_model_dir(name)
+    if model_dir is not None and corpus_dir is None:
+        return HFTokenizer(model_dir / TOKENIZER_FILE, name, _hf_eos(model_dir))
+    if _bpe_size(name) is None and model_dir is None:
         return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
     if corpus_dir is None:
         raise ValueError(f"{name!r} is trained per dataset: pass corpus_dir=<dataset dir>")
@@ -163,6 +205,10 @@ def get_tokenizer(name: str, corpus_dir: str | Path | None = None) -> Tokenizer:
             raise ValueError(f"{corpus_dir} holds a dataset for tokenizer {other!r}, not {name!r}")
         if "tokenizer_sha256" in m:  # the file the dataset was tokenized with, unchanged
             verify_files(corpus_dir, m, {TOKENIZER_FILE: m["tokenizer_sha256"]})
+        if model_dir is not None:
+            return HFTokenizer(path, name, m.get("eot"))
+    if model_dir is not None:
+        return HFTokenizer(path, name, _hf_eos(model_dir))
     return BPETokenizer(path, name)
 
 

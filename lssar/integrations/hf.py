@@ -5,14 +5,15 @@
 builder in ``AttentionMaskInterface``, so any model that dispatches attention by name (Llama,
 Qwen2, Mistral, ...) runs it: ``from_pretrained(..., attn_implementation="lssar")``.
 Variant options come from the model config: ``config.lssar_p`` (re-weighting power),
-``config.lssar_options`` (a dict of any variant options) and ``config.lssar_impl`` (``"auto"``).
+``config.lssar_options`` (a dict of any variant options), ``config.lssar_impl`` (``"auto"``) and
+``config.lssar_window`` (an evaluation-time sliding window of that many keys: the locality control).
 :func:`register` also registers our GPT with the Auto classes (model type ``lssar-gpt``,
 :mod:`lssar.integrations.hf_gpt`, re-exported here with ``export_run`` / ``lssar export-hf``);
 ``lssar lm-eval`` (lm-evaluation-harness) lives in :mod:`lssar.integrations.lm_eval`.
 
 Masks: HF builds a boolean ``(B, 1, T_q, T_k)`` mask (``True`` = attend) that already holds
 causality, padding and the KV-cache offset, so ``N_i`` (the number of keys query ``i`` may attend
-to, METHOD.md section 2) comes from the real mask, never from the tensor length. A mask with no
+to, docs/method.md section 2) comes from the real mask, never from the tensor length. A mask with no
 padding whose cache is contiguous and whose rule is causal, a causal sliding window, packed
 sequences or both (:func:`lssar.integrations.packing.mask_rule`) is skipped (``None``): the
 attention function then passes the same rule to :func:`lssar.attention` as arguments, in O(T)
@@ -24,7 +25,9 @@ row, :mod:`lssar.integrations.packing`), with the same ``N_i``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -41,7 +44,9 @@ from lssar.integrations.hf_gpt import (
     hf_tokenizer,
     register_auto,
 )
+from lssar.ops.reference import attention_weights
 from lssar.ops.registry import attention, get_variant
+from lssar.ops.spans import key_spans
 from lssar.ops.variants import VARIANTS, Variant
 
 __all__ = [
@@ -154,7 +159,8 @@ def attention_function(name: str) -> Callable[..., tuple[Tensor, None]]:
         for k in _UNSUPPORTED_KWARGS:
             if kwargs.get(k) is not None:
                 raise ValueError(f"lssar attention {name!r} does not support `{k}`")
-        options, impl = config_options(getattr(module, "config", None), variant)
+        config = getattr(module, "config", None)
+        options, impl = config_options(config, variant)
         b = query.shape[0]
         spans: dict[str, Any] = {}
         docs = None
@@ -177,29 +183,49 @@ def attention_function(name: str) -> Callable[..., tuple[Tensor, None]]:
                     "sequence; pass packed sequences without padding (DataCollatorWithFlattening)"
                 )
             mask, causal = bool_mask(attention_mask), False  # HF masks already hold causality
+        spans = _eval_window(spans, getattr(config, "lssar_window", None))
         if docs is not None:  # one row of B * T tokens, FlashAttention's varlen layout
             query, key, value = packing.flatten(query), packing.flatten(key), packing.flatten(value)
             spans |= {"cu_seqlens": docs[0], "cu_seqlens_k": docs[1]}
+        scale = None if length_scaled else scaling  # LSSA's scale is ln(d) ln(N_i), not 1/sqrt(d)
+        gqa = query.shape[1] != key.shape[1]
         out = attention(
-            query,
-            key,
-            value,
-            mask,
-            dropout,
-            causal,
-            None if length_scaled else scaling,  # LSSA's scale is ln(d) ln(N_i), not 1/sqrt(d)
-            query.shape[1] != key.shape[1],
-            variant=name,
-            impl=impl,
-            **spans,
-            **options,
-        )
+            query, key, value, mask, dropout, causal, scale, gqa, variant=name, impl=impl,
+            **spans, **options,
+        )  # fmt: skip
+        if (record := _RECORDING.get()) is not None:
+            if docs is not None:
+                raise ValueError("attention weights of packed sequences are not recorded")
+            with torch.no_grad():
+                t_q, t_k = query.shape[2], key.shape[2]
+                ks = key_spans(t_q, t_k, query.device, causal, mask, **spans) if spans else None
+                w = attention_weights(
+                    query, key, mask, causal and ks is None, scale, gqa,
+                    variant=variant, options=variant.resolve(options), spans=ks,
+                )  # fmt: skip
+                record.append(w)
         if docs is not None:
             out = packing.unflatten(out, b)
         return out.transpose(1, 2).contiguous(), None  # (B, T_q, H, D)
 
     lssar_attention_forward.__qualname__ = f"lssar_attention_forward[{name}]"
     return lssar_attention_forward
+
+
+# where lssar attention functions append each layer's weights (B, H, T_q, T_k): see recording()
+_RECORDING: ContextVar[list | None] = ContextVar("lssar_hf_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording(weights: list | None) -> Iterator[None]:
+    """Within it, every lssar attention call appends its final weights ``(B, H, T_q, T_k)``
+    (materialised by the reference, float32) to ``weights``; ``None`` records nothing. The
+    evaluation's attention diagnostics read them, as from :class:`lssar.model.GPT`."""
+    token = _RECORDING.set(weights)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
 
 
 def _window(sliding_window: Any, causal: bool, t_k: int) -> dict[str, Any]:
@@ -213,6 +239,20 @@ def _window(sliding_window: Any, causal: bool, t_k: int) -> dict[str, Any]:
     if not causal:  # a bidirectional window (|i - j| <= w) is another rule: it needs HF's mask
         raise ValueError("a bidirectional sliding window needs its mask; none was given")
     return {"window": (sliding_window - 1, 0)}
+
+
+def _eval_window(spans: dict[str, Any], lssar_window: Any) -> dict[str, Any]:
+    """``spans`` with ``config.lssar_window`` (keys per query, the sliding-window control set by
+    :func:`lssar.integrations.pretrained.set_attention`) applied: the narrower of it and the
+    model's own window."""
+    if lssar_window is None:
+        return spans
+    if isinstance(lssar_window, bool) or not isinstance(lssar_window, int) or lssar_window < 1:
+        raise ValueError(f"config.lssar_window must be an int >= 1, got {lssar_window!r}")
+    left = lssar_window - 1
+    if "window" in spans:
+        left = min(left, spans["window"][0])
+    return {**spans, "window": (left, 0)}
 
 
 def _skippable(kw: dict[str, Any]) -> bool:

@@ -1,11 +1,12 @@
 """Memory-efficient exact LSSA / LSSAR (and any softplus-l1 variant) for CPU and GPU.
 
 Queries are processed in blocks of ``block`` rows. A block's full score rows
-``(B, H, block, T_k)`` are formed once, so the two passes of METHOD.md section 4 (row statistics
-``Z_i, mu_i, max_j x_ij``, then the weights) happen in-register over that slab; nothing of size
-``T_q x T_k`` ever exists. The backward recomputes each block's weights and applies the closed-form
-gradients of METHOD.md section 5 (``dx``, the ``F_i`` row term, ``sigmoid`` for Softplus), so the
-memory of forward + backward is ``O(T * block)``. Causal blocks stop at their last visible key.
+``(B, H, block, T_k)`` are formed once, so the two passes of docs/method.md section 4 (row
+statistics ``Z_i, mu_i, max_j x_ij``, then the weights) happen in-register over that slab; nothing
+of size ``T_q x T_k`` ever exists. The backward recomputes each block's weights and applies the
+closed-form gradients of docs/method.md section 5 (``dx``, the ``F_i`` row term, ``sigmoid`` for
+Softplus), so the memory of forward + backward is ``O(T * block)``. Causal blocks stop at their
+last visible key.
 
 The op is registered as ``lssar::softplus_attention`` (``torch.library.custom_op`` with a fake
 implementation and a registered autograd formula), so ``torch.compile`` traces through it.

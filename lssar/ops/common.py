@@ -56,7 +56,11 @@ def check_inputs(
             )
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
-    if not (query.dtype == key.dtype == value.dtype):
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    # under autocast mixed inputs are legal, as for SDPA: attention() casts them all to
+    # autocast's dtype (HF models feed float32 rotated q, k beside a bf16 v); float64 is never cast
+    mixed_ok = autocast_dtype(query.device.type) is not None and torch.float64 not in dtypes
+    if len(set(dtypes)) > 1 and not mixed_ok:
         raise ValueError(
             f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
         )
@@ -192,7 +196,7 @@ def visible_counts(
     return count_visible(mask & causal_mask(t_q, t_k, device, q_start=start), t_k)
 
 
-# Re-weighting (METHOD.md section 4): O_i = 1, i.e. rows are centred on their mean weight, only
+# Re-weighting (docs/method.md section 4): O_i = 1, i.e. rows are centred on their mean weight, only
 # for rows with more than this many visible keys; rows with N_i <= 3 are sharpened un-centred.
 REWEIGHT_MIN_KEYS = 3
 
@@ -205,7 +209,7 @@ def centred_rows(n: Tensor) -> Tensor:
 def centring_mean(z: Tensor, n: Tensor) -> Tensor:
     """``mu_i = Z_i / N_i`` (mean Softplus over visible keys) where ``O_i = 1``, else 0.
 
-    Subtracting ``mu_i`` from ``softplus(s_ij)`` is METHOD.md's ``N_i A_ij - O_i`` divided by
+    Subtracting ``mu_i`` from ``softplus(s_ij)`` is docs/method.md's ``N_i A_ij - O_i`` divided by
     ``N_i / Z_i``: the same re-weighted row (``z``, ``n`` broadcast against each other)."""
     return torch.where(centred_rows(n), z / n.clamp_min(1.0), torch.zeros_like(z))
 
@@ -319,7 +323,7 @@ def uniform_tolerance(dtype: torch.dtype) -> float:
 
     ``N_i A_ij - 1`` of a row of equal weights is rounding noise, not signal; raising noise to the
     power ``p`` would pick an arbitrary key. Rows whose largest deviation is within
-    ``64 * eps`` of the mean fall back to the LSSA weights (METHOD.md section 4, 0/0 case).
+    ``64 * eps`` of the mean fall back to the LSSA weights (docs/method.md section 4, 0/0 case).
     """
     return 64.0 * torch.finfo(dtype).eps
 

@@ -1,6 +1,6 @@
 """LSSA / LSSAR through PyTorch's FlexAttention (``impl="flex"``).
 
-Softmax over ``log softplus(s)`` is the l1-normalised Softplus, so (METHOD.md sections 3-4)
+Softmax over ``log softplus(s)`` is the l1-normalised Softplus, so (docs/method.md sections 3-4)
 
 - LSSA is ONE ``flex_attention`` call with ``score_mod = log softplus(c_i s_ij)``;
 - LSSAR is two calls: the first also yields ``log Z_i`` (its log-sum-exp), hence

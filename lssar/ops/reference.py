@@ -1,6 +1,6 @@
 """Readable, materialised (T_q x T_k) implementations of every variant: the ground truth.
 
-Each variant is two stages (METHOD.md sections 3-4):
+Each variant is two stages (docs/method.md sections 3-4):
 
 1. ``normalise``: scores -> non-negative weights ``a = phi(s) * M``, l1-normalised to ``A`` when the
    variant is normalised;
@@ -79,7 +79,8 @@ def normalise(
         if variant.phi == "sigmoid":
             bias = options.get("bias")
             s = s + (-torch.log(n.clamp_min(1.0)) if bias is None else bias)
-        if variant.l1:  # relative to the row's largest weight: cannot underflow (METHOD.md 3)
+        # relative to the row's largest weight: cannot underflow (docs/method.md section 5)
+        if variant.l1:
             ls = log_phi(s, variant.phi).masked_fill(~visible, float("-inf"))
             row_max = ls.amax(-1, keepdim=True)
             a = torch.exp(

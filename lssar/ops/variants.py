@@ -11,7 +11,8 @@ A variant is the math; an implementation (``reference``, ``chunked``, ``sdpa``, 
   growth);
 - ``phi`` maps scores to non-negative weights (exp, softplus, relu, sigmoid), optionally
   l1-normalised per row;
-- sharpening (re-weighting, METHOD.md section 4) with power ``p`` applies to l1-normalised rows.
+- sharpening (re-weighting, docs/method.md section 4) with power ``p`` applies to l1-normalised
+  rows.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ VARIANTS: dict[str, Variant] = {
             scaling="log_n",
             qk_norm=True,
         ),
-        # the decomposition of softmax-qknorm-logn and LSSA (METHOD.md section 6): QK-norm with
+        # the decomposition of softmax-qknorm-logn and LSSA (docs/method.md section 6): QK-norm with
         # LSSA's scale frozen at one length n, so only "grows with ln N_i" separates them from
         # the log_n variants; n defaults to the paper's training length, 1024
         _v(

@@ -1,24 +1,31 @@
-"""What every study shares: how an arm is declared, how its (arm, seed) units run, how a report
-is written.
+"""What every study shares: how an arm is declared, the shape of a study (presets -> units ->
+run a unit -> write the report), its command line, how a report is written.
 
 A study (``lssar reproduce``, ``lssar recall``, ``lssar orbits``) declares its arms once, as an
-:func:`arm_table` of :class:`Arm` values in its ``presets`` module; its runner trains and
-evaluates them with :func:`run_units` and hands the results to its ``report`` module, which
-writes them with :func:`write_report`. Definitions flow one way: presets -> runner -> report;
-a report never imports its runner.
+:func:`arm_table` of :class:`Arm` values, and its presets in its ``presets`` module; its runner
+(``<study>/study.py``) is a :class:`Study`: a preset resolves to units (one training run and the
+arms evaluated on it, per seed: :func:`units_by_run`), each unit runs on its own (in worker
+processes with ``--jobs``: :func:`run_units`), and the results go to its ``report`` module,
+which writes them with :func:`write_report`. Every study's command line is built by
+:func:`study_parser`. Labels live in :mod:`lssar.studies.labels`. Definitions flow one way:
+presets -> runner -> report; a report never imports its runner.
 """
 
 from __future__ import annotations
 
+import abc
+import argparse
 import functools
 import hashlib
 import json
 import multiprocessing as mp
-from collections.abc import Callable, Iterable, Sequence
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -163,6 +170,104 @@ def run_units(
     return results
 
 
+class StudyRun(NamedTuple):
+    """What :meth:`Study.run` did: the report directory, every unit's result, the seconds the
+    units took."""
+
+    report: Path
+    results: list[Any]
+    seconds: float
+
+
+class Study(abc.ABC):
+    """The shape of every study: :meth:`units` (what the resolved preset trains and evaluates,
+    one tuple per training run), :meth:`run_unit` (one unit: train or reuse the run, evaluate its
+    arms), :meth:`write_report` (every unit's result, in unit order -> the report directory).
+    :meth:`run` is that flow. With ``jobs > 1`` the units run in spawned workers, so a study
+    and its units must pickle."""
+
+    @abc.abstractmethod
+    def units(self) -> list[tuple[Any, ...]]:
+        """The units, in the order their results reach :meth:`write_report`."""
+
+    @abc.abstractmethod
+    def run_unit(self, *unit: Any) -> Any:
+        """Train (or reuse, or resume) one unit's run and evaluate its arms."""
+
+    @abc.abstractmethod
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        """Write the report of ``results`` (one per unit); return its directory."""
+
+    def run(self, jobs: int = 1, on_done: Callable[[int, Any], None] | None = None) -> StudyRun:
+        """Run every unit (``jobs`` worker processes; ``on_done(i, result)`` as unit ``i``
+        finishes), then write the report."""
+        started = time.time()
+        results = run_units(self.run_unit, self.units(), jobs, on_done)
+        seconds = time.time() - started
+        return StudyRun(self.write_report(results, seconds), results, seconds)
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of a flag: stores into the new one's ``dest`` and says so on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(f"note: {option} is deprecated, use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def study_parser(
+    prog: str,
+    description: str | None,
+    presets: Mapping[str, Any],
+    arms: Iterable[str],
+    runs: str,
+    out: str,
+    renamed: Mapping[str, str] | None = None,
+) -> argparse.ArgumentParser:
+    """The command line every study shares: ``--preset --arms --seeds --jobs --runs --out
+    --no-progress`` (``runs``/``out``: their defaults, as help text; ``None`` in the parsed
+    arguments stands for them). ``renamed`` maps a study's old spellings to these (``{"--runs-dir":
+    "--runs"}``): still accepted, with a note. A study adds its own flags to the parser;
+    :func:`study_args` reads the shared ones."""
+    ap = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    budgets = ", ".join(f"{k} ({v.budget})" for k, v in presets.items())
+    ap.add_argument("--preset", default="quick", help=budgets)
+    ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(arms)}")
+    ap.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the preset's)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        help="units trained and evaluated at once, in worker processes of one torch thread "
+        "each (default: the preset's, else 1); results do not depend on it",
+    )
+    ap.add_argument("--runs", help=f"where the run directories live (default {runs})")
+    ap.add_argument("--out", help=f"the report directory (default {out})")
+    ap.add_argument("--no-progress", action="store_true")
+    for old, new in (renamed or {}).items():
+        dest = new.lstrip("-").replace("-", "_")
+        ap.add_argument(old, dest=dest, action=_Renamed, new=new, help=argparse.SUPPRESS)
+    return ap
+
+
+def study_args(args: argparse.Namespace) -> tuple[list[str] | None, list[int] | None]:
+    """The ``--arms`` and ``--seeds`` of :func:`study_parser`'s arguments as lists (None: the
+    preset's); ``ValueError`` for seeds that are not integers."""
+    arms = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
+    try:
+        seeds = None if args.seeds is None else [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        raise ValueError(f"--seeds {args.seeds!r}: expected integers like 0,1,2") from None
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: need at least 1 worker")
+    return arms, seeds
+
+
 @functools.cache
 def code_digest(sources: tuple[str, ...]) -> str:
     """A 12-hex-digit digest of the package files ``sources`` (paths relative to ``lssar/``; a
@@ -221,6 +326,11 @@ def conditions(envs: Sequence[dict[str, Any]]) -> str:
         f"{head}{cmds}{gap}. Torch threads per process: {fields('threads') or 'not recorded'}; "
         f"CPU ISA: {fields('cpu_isa') or 'not recorded'}."
     )
+
+
+def environment_section(env: dict[str, Any], title: str = "## Environment") -> list[str]:
+    """A report's last section: ``title`` and the environment ``env`` as a JSON block."""
+    return [title, "", "```", json.dumps(env, indent=1), "```", ""]
 
 
 def write_report(

@@ -1,23 +1,25 @@
-"""README findings, checked against the reports they quote.
+"""Findings (``docs/findings.md``, and the README's one-line summaries), checked against the
+reports they quote.
 
-Every number the README states about a finding carries a marker, an HTML comment (invisible
-when rendered) at the end of its bullet or paragraph::
+Every number a findings page states carries a marker, an HTML comment (invisible when rendered)
+at the end of its bullet or paragraph::
 
     LSSAR − it = +0.244 ± 0.054 <!-- check reports/cpu-baselines-2026-12-03:
         loss "lssar p=15" - "softmax + alibi" @16 = +0.244 ± 0.054; sig -->
 
-``python -m lssar.studies.findings README.md`` (and ``tests/test_findings.py``) recomputes each
-marker's quantity from the report's ``results.json`` with the reports' own statistics (means and
-95% t-intervals over seeds, differences paired by seed), and fails when
+``python -m lssar.studies.findings docs/findings.md README.md`` (and ``tests/test_findings.py``)
+recomputes each marker's quantity from the report's ``results.json`` with the reports' own
+statistics (means and 95% t-intervals over seeds, differences paired by seed), and fails when
 
 - the recomputed value, rounded as the quoted text is, differs from it;
 - the quoted text is not in the bullet or paragraph the marker closes (so the marker vouches for
   what a reader sees; markers may follow each other at the end of a bullet);
 - the marker's verdict disagrees with the interval: ``sig`` (the interval excludes 0: "beats",
   "worse", "supported") or ``ns`` (it includes 0: "within noise", "not separable");
-- the findings (and every "**Finding" paragraph) use "matches", "matched", "ties" or "as well
-  as", which only an equivalence test may say: such a bullet must carry a ``claim "..." =
-  equivalent`` marker (below), checked true.
+- the findings (a page titled "# Findings", whole; elsewhere, from "What the committed reports
+  show" to the next heading and every "**Finding" paragraph) use "matches", "matched", "ties"
+  or "as well as", which only an equivalence test may say: such a bullet must carry a
+  ``claim "..." = equivalent`` marker (below), checked true.
 
 Quantities (``@M``: the length multiple; ``beyond`` / ``within`` / ``all``: recall's and
 passkey's distance from the question, and for ``sink`` the rows past the training length):
@@ -64,7 +66,7 @@ _EXPR = re.compile(
     r"\s*@(?P<m>\d+)(?:/(?P<base>\d+))?(?:\s+(?P<dist>beyond|within|all))?$"
 )
 _NUMBER = re.compile(r"[+\-−]?\d+(?:\.\d+)?")
-# only an equivalence test may say these (issue #25); the LM reports print its verdicts
+# only an equivalence test may say these; the LM reports print its verdicts
 EQUIVALENCE_WORDS = ("matches", "matched", "ties", "as well as")
 
 
@@ -99,7 +101,7 @@ def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> di
             if r["arm"] == arm and r["length_multiple"] == m and r["distance"] == (dist or "all")
         }
     else:
-        from lssar.studies.lm.figures import label_of
+        from lssar.studies.labels import label_of
 
         out = {}
         for r in data["results"]:
@@ -149,7 +151,7 @@ def claim_verdict(report: Path, prefix: str) -> tuple[str, bool]:
     """(verdict after Holm, whether it is an equivalence claim) of the declared claim of the LM
     report whose text starts with ``prefix``, recomputed from its results.json as the report
     does."""
-    from lssar.studies.lm.figures import group
+    from lssar.studies.labels import group
     from lssar.studies.lm.verdicts import declared_claims, losses_of
     from lssar.studies.stats import judge_claims
 
@@ -240,8 +242,11 @@ def check_text(readme: str, root: Path) -> list[Check]:
 
 
 def findings_section(readme: str) -> str:
-    """The README's findings: from "What the committed reports show" to the next heading, and
-    every paragraph that opens with "**Finding" (the studies' own sections)."""
+    """The findings of a page: all of it when it is titled "# Findings" (``docs/findings.md``);
+    else from "What the committed reports show" to the next heading, and every paragraph that
+    opens with "**Finding" (the studies' own sections)."""
+    if readme.lstrip().startswith("# Findings"):
+        return readme
     parts = []
     start = readme.find("What the committed reports show")
     if start >= 0:
@@ -267,22 +272,39 @@ def equivalence_words(text: str) -> list[str]:
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    path = Path((argv if argv is not None else sys.argv[1:] or ["README.md"])[0])
+def project_root(page: Path) -> Path:
+    """The folder the markers' report paths are relative to: the nearest one at or above
+    ``page``'s folder that holds ``reports/`` (the repository root, for README.md and docs/)."""
+    start = page.resolve().parent
+    for folder in (start, *start.parents):
+        if (folder / "reports").is_dir():
+            return folder
+    raise FileNotFoundError(f"no reports/ folder at or above {start}: run from a checkout")
+
+
+def check_page(path: Path) -> tuple[list[Check], list[str]]:
+    """(every marker of the page at ``path``, checked; the equivalence words its findings use)."""
     text = path.read_text()
-    checks = check_text(text, path.resolve().parent)
-    bad = [c for c in checks if c.problem]
-    for c in checks:
-        status = "FAIL" if c.problem else "ok"
-        print(
-            f"{status:4} {path}:{c.line} {c.report}: {c.expr} = {c.text}"
-            + (f"  -- {c.problem}" if c.problem else "")
-        )
-    words = equivalence_words(findings_section(text))
-    if words:
-        print(f"FAIL the findings say {', '.join(map(repr, words))}: only an equivalence test may")
-    print(f"{len(checks) - len(bad)} of {len(checks)} markers agree with their reports")
-    return 1 if bad or words else 0
+    return check_text(text, project_root(path)), equivalence_words(findings_section(text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = [Path(p) for p in (argv if argv is not None else sys.argv[1:]) or ["docs/findings.md"]]
+    failed = False
+    for path in paths:
+        checks, words = check_page(path)
+        bad = [c for c in checks if c.problem]
+        for c in checks:
+            status = "FAIL" if c.problem else "ok"
+            print(
+                f"{status:4} {path}:{c.line} {c.report}: {c.expr} = {c.text}"
+                + (f"  -- {c.problem}" if c.problem else "")
+            )
+        if words:
+            print(f"FAIL {path} says {', '.join(map(repr, words))}: only an equivalence test may")
+        print(f"{path}: {len(checks) - len(bad)} of {len(checks)} markers agree with their reports")
+        failed = failed or bool(bad or words)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

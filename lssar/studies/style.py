@@ -1,10 +1,11 @@
 """One colour and line style per arm in every figure of every study (LM, recall, orbits), and
 the panels a figure with many arms is split into.
 
-An arm is named by its LM label (:func:`lssar.studies.lm.figures.label_of`: ``"lssar p=15"``,
-``"softmax + alibi"``, ``"lssa -> lssar p=15 (eval only)"``); :func:`key` maps the other
-studies' spellings onto it (recall: ``"window"``, ``"... (eval)"``; orbits: ``"lssar"``,
-``"lssar-p3"``, ``"softmax-local"``), so the same arm has the same colour everywhere.
+An arm is named by its LM label (:func:`lssar.studies.labels.label_of`: ``"lssar p=15"``,
+``"softmax + alibi"``, ``"lssa -> lssar p=15 (eval only)"``);
+:func:`lssar.studies.labels.key` maps the other studies' spellings onto it (recall:
+``"window"``, ``"... (eval)"``; orbits: ``"lssar"``, ``"lssar-p3"``, ``"softmax-local"``), so
+the same arm has the same colour everywhere.
 
 Families have hues and their variants shades: softmax blue with its window control cyan and the
 length-scaled softmaxes purple, the Softplus-l1 family orange / green / pink / red, LSSA
@@ -23,7 +24,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-SOFTMAX, LSSA, LSSAR15, WINDOW = "softmax", "lssa", "lssar p=15", "window"
+from lssar.studies.labels import LSSAR15, SOFTMAX, WINDOW, key
+
+LSSA = "lssa"
 POINTWISE = ("sigmoid", "relu")
 # the p of LSSA's eval-only re-weighting sweeps (LM: 1, 3, 8, 15; recall: all six)
 _REWEIGHT = dict(
@@ -51,7 +54,7 @@ COLOURS = {
     "lssar p=3": "#e377c2",
     LSSAR15: "#d62728",
     **{f"lssa -> lssar p={p} (eval only)": c for p, c in _REWEIGHT.items()},
-    # the practitioner's alternatives (issue #24): positions trained in, RoPE rescaled at eval
+    # the practitioner's alternatives: positions trained in, RoPE rescaled at eval
     "softmax + alibi": "#e6550d",
     "softmax + nope": "#636363",
     "lssar p=15 + nope": "#ff9896",
@@ -64,22 +67,9 @@ COLOURS = {
     "softmax-masses": "#393b79",
     "oracle": "#000000",
 }
-# other studies' names of the same arms
-ALIASES = {"lssar": LSSAR15, "lssar-p3": "lssar p=3", "softmax-local": WINDOW}
 _SPARE = ["#ad494a", "#637939", "#a55194", "#6b6ecf", "#e7969c", "#17a768", "#b5cf6b"]
 
 MAX_LINES = 6  # lines in one panel of a line figure, references included
-
-
-def key(label: str) -> str:
-    """The arm a label names, spelled as :data:`COLOURS` spells it: ``"softmax, sliding window
-    128"`` and recall's ``"window"`` -> ``"window"``, ``"... (eval)"`` -> ``"... (eval only)"``,
-    a constant-scale arm without its ``n=128``, orbits' ``"lssar"`` -> ``"lssar p=15"``."""
-    k = re.sub(r" n=\d+", "", label)
-    k = re.sub(r" \(eval\)$", " (eval only)", k)
-    if re.fullmatch(r"softmax, sliding window( \d+)?", k):
-        return WINDOW
-    return ALIASES.get(k, k)
 
 
 def colour(label: str) -> str:

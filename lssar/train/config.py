@@ -45,7 +45,8 @@ _POSITIVE = "n_layer seq_len batch_size grad_accum max_steps eval_every ckpt_eve
 # Fields that change how a run is watched or where it lives, not what it computes: a resumed run
 # may change them freely.
 BOOKKEEPING = frozenset(
-    "eval_every log_every ckpt_every max_time_s compile device out_dir run_name preset".split()
+    "eval_every log_every ckpt_every max_time_s compile device out_dir run_name preset "
+    "activation_checkpointing".split()
 )
 
 
@@ -92,6 +93,11 @@ class TrainConfig:
     # fp32), "bf16" (emulated and slow on other CPUs), "fp32"; config.json records the choice
     dtype: str = "auto"
     compile: bool = False
+    # shard parameters, gradients and optimizer state over the ranks (FSDP2, one unit per block),
+    # checkpoints sharded too (torch.distributed.checkpoint); docs/distributed.md
+    fsdp: bool = False
+    # recompute each block's activations in the backward pass instead of keeping them
+    activation_checkpointing: bool = False
     seed: int = 0
     device: str = "auto"
     # bookkeeping
@@ -294,6 +300,11 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.run_name is not None:
         child_path(cfg.out_dir, cfg.run_name, "run_name")
+    for key in ("fsdp", "activation_checkpointing"):
+        if getattr(cfg, key) and cfg.compile:
+            raise ValueError(
+                f"{key} with compile is not supported (untested together): drop --compile"
+            )
     if cfg.dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"dtype={cfg.dtype!r}: use auto, bf16 or fp32")
     if cfg.device != "auto":

@@ -1,11 +1,12 @@
-"""Training: one loop for a single process and ``torchrun`` DDP, with exact resume.
+"""Training: one loop for a single process, ``torchrun`` DDP and FSDP, with exact resume.
 
-A run is the directory ``out_dir/run_name`` (its files and checkpoints: :mod:`lssar.train.runs`).
-The data order is a
-pure function of ``(seed, step, micro_step, rank)`` (:func:`lssar.data.get_batch`) and the LR a
-function of the step, so resuming from a checkpoint replays exactly the steps an uninterrupted
-run takes: no RNG state is saved. ``batch_size`` is per rank; a step sees
-``world_size * batch_size * grad_accum`` windows.
+A run is the directory ``out_dir/run_name`` (its files and checkpoints:
+:mod:`lssar.train.checkpoint`). The data order is a pure function of ``(seed, step, micro_step,
+rank)`` (:func:`lssar.data.get_batch`) and the LR a function of the step, so resuming from a
+checkpoint replays exactly the steps an uninterrupted run takes: no RNG state is saved.
+``batch_size`` is per rank; a step sees
+``world_size * batch_size * grad_accum`` windows. ``--fsdp`` shards the model, gradients and
+optimizer state over the ranks and writes sharded checkpoints (:mod:`lssar.train.fsdp`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,19 @@ from lssar.runio import (
     child_path,
     environment,
     exclusive_lock,
-    remove_stale_temps,
+)
+from lssar.train import fsdp
+from lssar.train.checkpoint import (
+    DONE,
+    FINAL,
+    LATEST,
+    append_log,
+    finish_run,
+    init_run_dir,
+    load_checkpoint,
+    remove_stale_files,
+    save_checkpoint,
+    write_json,
 )
 from lssar.train.config import (
     TrainConfig,
@@ -49,25 +62,16 @@ from lssar.train.config import (
     parse_overrides,
     validate,
 )
-from lssar.train.runs import (
-    append_log,
-    check_same_config,
-    finish_run,
-    init_run_dir,
-    load_checkpoint,
-    load_model_state,
-    load_run,
-    save_checkpoint,
-    stored_train_config,
-)
+from lssar.train.runs import check_same_config, load_model_state, load_run, stored_train_config
+from lssar.train.schedule import warmup_cosine
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at the end
+    (:func:`lssar.train.schedule.warmup_cosine`)."""
+    return warmup_cosine(
+        step, total=cfg.max_steps, peak=cfg.lr, warmup=cfg.warmup_steps, floor=cfg.min_lr
+    )
 
 
 def _environment(device: torch.device, world: int) -> dict[str, Any]:
@@ -88,8 +92,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _setup_distributed(device_opt: str) -> tuple[_Dist, bool]:
-    """Rank, world size and device from torchrun's env; True if this call made the group."""
+def _setup_distributed(device_opt: str, sharded: bool) -> tuple[_Dist, bool]:
+    """Rank, world size and device from torchrun's env; True if this call made the group
+    (``sharded``: FSDP needs one even in a single process)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     name = ("cuda" if torch.cuda.is_available() else "cpu") if device_opt == "auto" else device_opt
     device = torch.device(name)
@@ -98,9 +103,12 @@ def _setup_distributed(device_opt: str) -> tuple[_Dist, bool]:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # for the fp32 matmuls outside autocast
-    created = world > 1 and not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    created = (world > 1 or sharded) and not dist.is_initialized()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if created and world > 1:
+        dist.init_process_group(backend)
+    elif created:  # one process: a group of one, in memory
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return _Dist(rank, world, device), created
 
 
@@ -180,15 +188,19 @@ def _documents(x: torch.Tensor, eot: int | None) -> dict[str, torch.Tensor]:
 def _evaluate(
     model: GPT, tokens: np.ndarray, cfg: TrainConfig, bf16: bool, d: _Dist, eot: int | None
 ) -> float:
-    """Mean loss over the first ``eval_tokens`` of the val split; ranks share the windows."""
+    """Mean loss over the first ``eval_tokens`` of the val split; ranks share the windows.
+
+    Every rank runs the same number of forward passes (FSDP's are collective): a rank left
+    without a window in the last round runs one again and does not count it."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)  # (loss sum, tokens)
-    windows = data.iter_eval_windows(tokens, cfg.seq_len, cfg.eval_tokens, cfg.batch_size)
-    for i, (x, y) in enumerate(windows):
-        if i % d.world == d.rank:
-            x = x.to(d.device)
-            with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
-                _, loss = model(x, y.to(d.device), **_documents(x, eot))
+    windows = list(data.iter_eval_windows(tokens, cfg.seq_len, cfg.eval_tokens, cfg.batch_size))
+    for i in range(d.rank, -(-len(windows) // d.world) * d.world, d.world):
+        x, y = windows[min(i, len(windows) - 1)]
+        x = x.to(d.device)
+        with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(x, y.to(d.device), **_documents(x, eot))
+        if i < len(windows):
             total += torch.stack([loss.double() * y.numel(), total.new_tensor(y.numel())])
     if d.world > 1:
         dist.all_reduce(total)
@@ -221,7 +233,7 @@ def _train_step(
         )
         last = micro == cfg.grad_accum - 1
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-        with model.no_sync() if d.world > 1 and not last else nullcontext():  # 1 all-reduce
+        with _sync_grads(model, last, d):
             with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
                 _, loss = model(x, y, **_documents(x, eot))
             (loss / cfg.grad_accum).backward()
@@ -231,6 +243,14 @@ def _train_step(
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss_sum / cfg.grad_accum
+
+
+def _sync_grads(model: torch.nn.Module, last: bool, d: _Dist) -> contextlib.AbstractContextManager:
+    """Gradient accumulation reduces gradients over the ranks once, at its last micro-step."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce-scatter or not
+        model.set_requires_gradient_sync(last)
+        return nullcontext()
+    return model.no_sync() if d.world > 1 and not last else nullcontext()
 
 
 def train(
@@ -244,7 +264,7 @@ def train(
     """
     validate(cfg)
     cfg = dataclasses.replace(cfg, run_name=cfg.run_name or default_run_name(cfg))
-    d, created = _setup_distributed(cfg.device)
+    d, created = _setup_distributed(cfg.device, cfg.fsdp)
     try:
         return _train(cfg, resume, progress and d.rank == 0, d, _stop_after)
     finally:
@@ -287,7 +307,7 @@ def _train(
         try:
             return _train_locked(cfg, resume, progress, d, stop_after, run_dir)
         except DiskFullError as e:
-            latest = run_dir / "ckpt" / "latest.pt"
+            latest = run_dir / (fsdp.POINTER if cfg.fsdp else LATEST)
             kept = (
                 f"{latest} holds the last complete checkpoint: the same command resumes from it"
                 if latest.is_file()
@@ -310,13 +330,15 @@ def _train_locked(
     run_dir: Path,
 ) -> Path:
     master = d.rank == 0
-    latest = run_dir / "ckpt" / "latest.pt"
+    latest = run_dir / (fsdp.POINTER if cfg.fsdp else LATEST)
     if master:  # temp files of a writer killed mid-write (no live writer: we hold the lock)
-        for folder in (run_dir, run_dir / "ckpt"):
-            for stale in remove_stale_temps(folder):
-                print(f"{run_dir}: removed {stale.name}, left by a write that was interrupted")
+        remove_stale_files(run_dir)
+        if cfg.fsdp:  # and, starting over, every sharded checkpoint of the earlier attempt
+            fsdp.remove_stale(run_dir, fresh=not resume)
     _barrier()
     if resume and (stored := stored_train_config(run_dir)) is not None:
+        if cfg.fsdp:  # DCP reshards: another world size resumes with the same global batch
+            stored = fsdp.rebatched(stored, run_dir, cfg.batch_size, d.world)
         check_same_config(stored, cfg, run_dir)
         if (run_dir / "DONE").is_file():
             if master:
@@ -328,6 +350,11 @@ def _train_locked(
     mcfg = model_config(cfg, manifest["vocab_size"])
     torch.manual_seed(cfg.seed)  # every attention arm with the same seed starts from one init
     raw = GPT(mcfg).to(d.device)
+    n_params = raw.num_params()
+    bf16 = _use_bf16(cfg.dtype, d.device)
+    if cfg.activation_checkpointing:
+        fsdp.checkpoint_blocks(raw.blocks)
+    sharding = fsdp.shard(raw, raw.blocks, bf16) if cfg.fsdp else None
     params = list(raw.parameters())  # weight decay on matrices only (not norms)
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -336,27 +363,32 @@ def _train_locked(
     fused = d.device.type == "cuda"
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
     step, tokens, history = 0, 0, []
-    if resume and latest.is_file():
+    if resume and cfg.fsdp:
+        if (ckpt := fsdp.load(run_dir, raw, opt)) is not None:
+            step, tokens, history = ckpt["step"], ckpt["tokens"], ckpt["val_history"]
+    elif resume and latest.is_file():
         ckpt = load_checkpoint(latest, d.device)
         load_model_state(raw, ckpt, latest)
         opt.load_state_dict(ckpt["optimizer"])
         step, tokens, history = ckpt["step"], ckpt["tokens"], ckpt["val_history"]
     _barrier()  # every rank has read the run dir before rank 0 rewrites it
-    bf16 = _use_bf16(cfg.dtype, d.device)
     if master:
         dataset = {k: manifest[k] for k in ("corpus", "tokenizer", "total_tokens")}
         config = {
             "train": asdict(cfg),
             "model": asdict(mcfg),
-            "params": raw.num_params(),
+            "params": n_params,
             "data_dir": str(data_dir),
             "dataset": dataset,
             "autocast": "bf16" if bf16 else "fp32",  # what dtype="auto" resolved to here
+            "world_size": d.world,
+            "fsdp": sharding,  # None, or its world size and mixed precision
         }
         init_run_dir(run_dir, step, config, _environment(d.device, d.world))
         print(
-            f"{cfg.run_name}: {raw.num_params() / 1e6:.2f}M params, {cfg.attn} attention, "
-            f"{d.device} x{d.world}, data {data_dir}, step {step}/{cfg.max_steps}"
+            f"{cfg.run_name}: {n_params / 1e6:.2f}M params, {cfg.attn} attention, "
+            f"{d.device} x{d.world}{' FSDP' if cfg.fsdp else ''}, data {data_dir}, "
+            f"step {step}/{cfg.max_steps}"
         )
 
     def log(**record: Any) -> None:
@@ -383,30 +415,32 @@ def _train_locked(
             raise diverged(f"the validation loss is {history[-1][1]}")
         log(event="eval", step=step, tokens=tokens, val_loss=history[-1][1])
 
-    def save() -> None:  # rank 0 writes, the others wait; a non-finite model is never saved
+    def meta() -> dict[str, Any]:  # what a checkpoint holds besides the weights
+        return dict(
+            step=step,
+            tokens=tokens,
+            val_history=history,
+            config=asdict(cfg),
+            gpt_config=asdict(mcfg),
+            data_dir=str(data_dir),
+            tokenizer=cfg.tokenizer,
+            corpus=manifest["corpus"],
+        )
+
+    def save() -> None:  # rank 0 writes (FSDP: every rank its shards); a non-finite model never
         nonlocal saved
-        finite = torch.stack([torch.isfinite(p).all() for p in raw.parameters()]).all()
-        if not _agree(bool(finite), d):
+        finite = torch.stack([torch.isfinite(fsdp.local(p)).all() for p in raw.parameters()])
+        if not _agree(bool(finite.all()), d):
             raise diverged("the weights are no longer finite")
-        if master:
-            save_checkpoint(
-                latest,
-                model=raw.state_dict(),
-                optimizer=opt.state_dict(),
-                step=step,
-                tokens=tokens,
-                val_history=history,
-                config=asdict(cfg),
-                gpt_config=asdict(mcfg),
-                data_dir=str(data_dir),
-                tokenizer=cfg.tokenizer,
-                corpus=manifest["corpus"],
-            )
+        if cfg.fsdp:
+            fsdp.save(run_dir, raw, opt, meta() | {"world_size": d.world})
+        elif master:
+            save_checkpoint(latest, model=raw.state_dict(), optimizer=opt.state_dict(), **meta())
         saved = step
         _barrier()
 
     model: torch.nn.Module = torch.compile(raw) if cfg.compile else raw
-    if d.world > 1:
+    if d.world > 1 and not cfg.fsdp:
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     per_step = d.world * cfg.batch_size * cfg.seq_len * cfg.grad_accum
     bar = tqdm(
@@ -460,8 +494,15 @@ def _train_locked(
     if step < cfg.max_steps:
         if master:
             print(f"{run_dir}: stopped at step {step}/{cfg.max_steps}; run again to resume")
+    elif cfg.fsdp:  # final.pt: the full model, as every other run's (a collective gather)
+        full = fsdp.consolidate(raw)
+        if master:
+            save_checkpoint(run_dir / FINAL, model=full, **meta())
+            summary = {"step": step, "tokens": tokens, "val_loss": history[-1][1]}
+            write_json(run_dir / DONE, summary)
     elif master:
-        finish_run(run_dir, step, tokens, history[-1][1])
+        finish_run(run_dir, {"step": step, "tokens": tokens, "val_loss": history[-1][1]})
+    if step == cfg.max_steps and master:
         print(f"{run_dir}: done, {step} steps, val loss {history[-1][1]:.4f}")
     _barrier()
     return run_dir

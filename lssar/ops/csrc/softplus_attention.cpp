@@ -5,7 +5,7 @@
 // vectorised passes over each row while it is in cache (softplus, Z_i and max_j a_ij; then
 // r_ij^p), and a second GEMM with V; LSSA is also tiled over keys, LSSAR keeps a block's softplus
 // values between its two passes. Backward: per batch x head (which owns its dk/dv), the weights
-// again with sigmoid and r^(p-1) kept, then dP, dx, the F_i row term and dS (METHOD.md sections 4
+// again with sigmoid and r^(p-1) kept, then dP, dx, the F_i row term and dS (docs/method.md sections 4
 // and 5, the same arithmetic as chunked's eager path). OpenMP through at::parallel_for.
 //
 // Rows where every visible softplus underflows float32 (all scores below about -104) are not
@@ -147,7 +147,7 @@ inline Vec lanes(const float* mf, int64_t j, int64_t e) {
   return in > Vec(0.f);
 }
 
-// The re-weighting's row statistics from N_i, Z_i and max_j a_ij (METHOD.md section 4): the
+// The re-weighting's row statistics from N_i, Z_i and max_j a_ij (docs/method.md section 4): the
 // centring mean mu_i, the largest x_ij = max_j relu(a_ij - mu_i), and whether the row has any
 // signal (else every weight is equal up to rounding and the row keeps the LSSA weights).
 struct Reweight {
@@ -310,7 +310,7 @@ inline const float* visible_tile(const Problem& P, int64_t bh, int64_t i, int64_
 // Tiled over keys as well as query rows, so a block's scores, K tile and V tile stay in L2 at
 // every length: LSSA in one pass (its normaliser is a plain sum, so tiles simply add up), LSSAR
 // in two (Z_i and max_j a_ij over the key tiles first, then the weights r^p and their products
-// with V; the scores are recomputed, one GEMM more, as METHOD.md section 5 counts).
+// with V; the scores are recomputed, one GEMM more, as docs/method.md section 5 counts).
 std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const c10::optional<at::Tensor>& mask, int64_t H,
                                      bool causal, double scale, bool log_n, double p,

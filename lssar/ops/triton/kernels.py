@@ -9,7 +9,7 @@ share the jitted device functions (the dot, softplus, the weight rule, the span 
 tiles) that Triton resolves from this module's globals, so they stay one module.
 
 FlashAttention-2-style kernels for the softplus-l1 family (lssa, lssar, softplus-l1; any ``p``).
-The math is METHOD.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly (mean-centred
+The math is docs/method.md sections 3-5 and mirrors :mod:`lssar.ops.chunked` exactly (mean-centred
 ``x = softplus(s) - mu_i``, ``mu_i = Z_i / N_i`` for ``N_i > REWEIGHT_MIN_KEYS``,
 ``r = x / x_max``, LSSA weights for rows whose ``x`` are all within ``uniform_tolerance * mu_i``,
 zeros for rows with ``N_i = 0``), in base 2: scores ``t = s log2 e`` (the row scale carries
@@ -424,7 +424,7 @@ def _probs(a, mu, inv_xmax, has, winv, p, P_INT: tl.constexpr, REWEIGHT: tl.cons
 def _probs_dscores(
     a, sig, dp, mu, inv_xmax, has, coef, fn, d, winv, p, P_INT: tl.constexpr, REWEIGHT
 ):
-    # P_ij and dL/ds_ij (METHOD.md section 5); LSSA / fallback rows: da = (dP - D) / W. Not
+    # P_ij and dL/ds_ij (docs/method.md section 5); LSSA / fallback rows: da = (dP - D) / W. Not
     # visible: sig = sigmoid(-inf) = 0, so ds = 0 there (da is finite).
     prob, rpm1 = _probs(a, mu, inv_xmax, has, winv, p, P_INT, REWEIGHT)
     cen = dp - d[:, None]

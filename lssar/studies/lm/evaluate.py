@@ -31,7 +31,8 @@ from lssar.model import GPT
 from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest
-from lssar.studies.lm.figures import label_of, plot_results
+from lssar.studies.labels import label_of
+from lssar.studies.lm.figures import plot_results
 from lssar.studies.lm.passkey import (
     PASSKEY_DEPTHS,
     PasskeySettings,
@@ -241,7 +242,7 @@ def cache_key(cfg: Any, meta: dict[str, Any], settings: dict[str, Any]) -> dict[
     a run retrained with ``--no-resume`` and another seed or lr at the same step is another
     model), the run's config, the dataset's files (their manifest sha256, which
     :func:`lssar.data.load_split` verifies), the evaluation settings and code."""
-    from lssar.train.runs import file_sha256
+    from lssar.train.checkpoint import file_sha256
 
     m = read_manifest(meta["data_dir"])
     return json.loads(  # the JSON form, as it is stored and read back
@@ -446,6 +447,12 @@ def results_markdown(r: dict[str, Any]) -> str:
 
 
 def cli(argv: list[str]) -> int:
+    if argv and not argv[0].startswith("-"):
+        from lssar.studies.lm.evaluate_hf import cli as hf_cli
+        from lssar.studies.lm.evaluate_hf import is_model_dir
+
+        if is_model_dir(argv[0]):  # a Hugging Face model directory, not an lssar train run
+            return hf_cli(argv)
     ap = argparse.ArgumentParser(
         prog="lssar eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,6 +1,7 @@
 """Figures of an evaluation (``lssar eval``) and of ``lssar reproduce``'s report.
 
-Results are grouped by arm (:func:`label_of`: one group holds that arm's seeds). Every figure
+Results are grouped by arm (:func:`lssar.studies.labels.group`: one group holds that arm's
+seeds). Every figure
 draws an arm in its colour and line style from :mod:`lssar.studies.style` (the same in every
 study), the mean over seeds with a 95% t-band over seeds (:func:`lssar.studies.stats.mean_ci`;
 one seed: no band, and the title says which). A figure with more arms than one panel reads at a
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from lssar.ops.variants import VARIANTS
-from lssar.spec import run_label
+from lssar.studies.labels import group
 from lssar.studies.stats import mean_ci
 from lssar.studies.style import facets, grid, legend_below, spread, style
 
@@ -33,23 +34,6 @@ def normalised(r: Result) -> bool:
     those axes."""
     v = VARIANTS.get(str(r["evaluated_attention"]).split(" ")[0])
     return v is None or v.l1
-
-
-def label_of(r: Result) -> str:
-    """The arm of a result: the trained rule (``"softmax + alibi"`` with its positions),
-    ``"lssa -> lssar p=15 (eval only)"`` for a rule switched after training, ``"softmax -> yarn
-    auto (eval only)"`` for a RoPE scaling, ``"softmax, sliding window 128"`` for the window
-    control."""
-    label = run_label(r["trained_attention"], r["evaluated_attention"], r.get("rope_scaling"))
-    return label if not r.get("window") else f"{label}, sliding window {r['window']}"
-
-
-def group(results: list[Result]) -> dict[str, list[Result]]:
-    """Arm label -> its results (one per seed), in first-seen order."""
-    out: dict[str, list[Result]] = {}
-    for r in results:
-        out.setdefault(label_of(r), []).append(r)
-    return out
 
 
 def _band(ax, xs, per_seed: list[list[float]], label: str, marker: str | None, ref: bool) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from tqdm.auto import tqdm
 
 from lssar.data.passkey import passkey_sample_at
 from lssar.model import GPT
+from lssar.train.schedule import set_lr, warmup_cosine
 
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 
@@ -59,11 +59,9 @@ class PasskeySettings:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of fine-tuning step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        span = max(1, self.steps - self.warmup_steps)
-        frac = (step - self.warmup_steps) / span
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return warmup_cosine(
+            step, total=self.steps, peak=self.lr, warmup=self.warmup_steps, floor_ratio=0.1
+        )
 
 
 def _passkey_batch(tok, filler, length, n, rng, depth=None, digits=5):
@@ -102,8 +100,7 @@ def passkey_finetune(
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     rng = np.random.default_rng(seed)
     for step in tqdm(range(settings.steps), desc="passkey fine-tune", disable=not progress):
-        for group in opt.param_groups:
-            group["lr"] = settings.lr_at(step)
+        set_lr(opt, settings.lr_at(step))
         x, starts, _ = _passkey_batch(
             tok, filler, length, settings.batch_size, rng, digits=settings.digits
         )

@@ -4,7 +4,7 @@ report :mod:`.report`).
 
 An arm's name is its trained rule's label (``"lssar p=15"``, ``"softmax + alibi"``); the
 evaluation results, and so the report's rows, carry the label
-:func:`lssar.studies.lm.figures.label_of` gives them (``"softmax, sliding window 128"``,
+:func:`lssar.studies.labels.label_of` gives them (``"softmax, sliding window 128"``,
 ``"lssa -> lssar p=15 (eval only)"``, ``"softmax -> yarn auto (eval only)"``).
 """
 
@@ -13,17 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
-from lssar.spec import AttentionSpec, run_label
+from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, EvalRule, arm_table, select_arms
+from lssar.studies.labels import run_label
 from lssar.studies.lm.passkey import PasskeySettings
 
 SOFTMAX, SIGMOID, RELU = AttentionSpec("softmax"), AttentionSpec("sigmoid"), AttentionSpec("relu")
 SOFTPLUS_L1, LSSA = AttentionSpec("softplus-l1"), AttentionSpec("lssa")
 LSSAR3, LSSAR15 = AttentionSpec("lssar", {"p": 3.0}), AttentionSpec("lssar", {"p": 15.0})
 QKNORM, SSMAX = AttentionSpec("softmax-qknorm-logn"), AttentionSpec("ssmax")
-# the decomposition of softmax-qknorm-logn and LSSA (issue #25): each differs from a neighbour in
+# the decomposition of softmax-qknorm-logn and LSSA: each differs from a neighbour in
 # one thing. The constant-scale variants freeze ln d ln n at n = the training length: the runner
-# sets n from the run's seq_len (:func:`lssar.studies.lm.reproduce.at_training_length`), so
+# sets n from the run's seq_len (:func:`lssar.studies.lm.study.at_training_length`), so
 # their trained labels read "softmax-qknorm-const n=128"
 QK_CONST = AttentionSpec("softmax-qknorm-const")
 QK_LEARNED = AttentionSpec("softmax-qknorm-learned")
@@ -70,7 +71,7 @@ _DECOMPOSITION = (
     Arm(QKNORM15.label, QKNORM15, "softmax-qknorm-logn + re-weighting p = 15"),
 )
 _ALTERNATIVES = (
-    # what a practitioner would use instead (issue #24): positions trained in...
+    # what a practitioner would use instead: positions trained in...
     Arm("softmax + alibi", SOFTMAX, "softmax with ALiBi instead of RoPE", pos="alibi"),
     Arm("softmax + nope", SOFTMAX, "softmax without position encoding (NoPE)", pos="nope"),
     Arm("lssar p=15 + nope", LSSAR15, "LSSAR p=15 without position encoding", pos="nope"),
@@ -81,7 +82,7 @@ _ALTERNATIVES = (
     ),
 )
 ARMS = arm_table(*_PAPER, *_DECOMPOSITION, *_ALTERNATIVES)
-# the arms the paper compares (METHOD.md section 6), and the window control
+# the arms the paper compares (docs/method.md section 6), and the window control
 PAPER_ARMS = [a.name for a in _PAPER]
 # the arms that separate QK-norm, the ln N growth, Softplus-l1 and re-weighting (with the cpu arms
 # they are compared with)
@@ -133,7 +134,7 @@ PRESETS = {
         "tiny-cpu",
         [SOFTMAX.label, WINDOW, LSSA.label, LSSAR15.label],
         eval_tokens=16384,
-        budget="<= 15 min on 2 CPU cores",
+        budget="about 10-15 min on an idle 2-core machine, longer on a busy one",
     ),
     "cpu": Preset(
         "every variant of the paper, the sliding-window control and eval-time re-weighting "
@@ -151,7 +152,7 @@ PRESETS = {
         # step (0.4-1 s at one thread, by load): +20-45 min with two workers
         budget="~120-150 min on 2 CPU cores with --jobs 2",
     ),
-    # the practitioner's alternatives (issue #24) beside softmax and LSSAR p=15, on the cpu
+    # the practitioner's alternatives beside softmax and LSSAR p=15, on the cpu
     # preset's runs and evaluations (same runs directory, same evaluation settings: its softmax
     # and LSSAR results are reused, not recomputed); its own preset keeps cpu's budget
     "cpu-baselines": Preset(
@@ -170,7 +171,7 @@ PRESETS = {
         "evaluations), ~80 min on its own (79 min measured with --jobs 2 on shared cores)",
         eval_folder="cpu",
     ),
-    # the decomposition (issue #25) beside the cpu arms it is measured against, on cpu's runs and
+    # the decomposition beside the cpu arms it is measured against, on cpu's runs and
     # evaluations (same runs directory, evaluation folder and passkey arms: its softmax,
     # softmax-qknorm-logn, lssa and lssar p=15 results are reused, not recomputed)
     "cpu-decomposition": Preset(
@@ -202,7 +203,7 @@ PRESETS = {
         "softmax-qknorm-logn, lssa and lssar p=15 runs and evaluations)",
         eval_folder="cpu",
     ),
-    # the paper's head dimension (d = 64) within CPU reach (issue #25): the decisive arms, trained
+    # the paper's head dimension (d = 64) within CPU reach: the decisive arms, trained
     # 4x longer than cpu, on their own runs (another training preset: another runs directory)
     "cpu-paper-regime": Preset(
         "the paper's head dimension d = 64 (4 layers x 2 heads x 128 wide, 1,800 steps): "

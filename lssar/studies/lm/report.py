@@ -10,16 +10,17 @@ diagnostics and passkey sections, provenance.
 from __future__ import annotations
 
 import datetime as dt
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lssar.runio import environment
-from lssar.studies.common import conditions, provenance_head
+from lssar.studies.common import conditions, environment_section, provenance_head
 from lssar.studies.common import write_report as write_files
-from lssar.studies.lm.figures import group, normalised, plot_results
+from lssar.studies.labels import group
+from lssar.studies.lm.figures import normalised, plot_results
 from lssar.studies.lm.presets import (
     LSSA,
     LSSAR3,
@@ -49,7 +50,7 @@ from lssar.studies.stats import (
     verdict,
 )
 
-# The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; METHOD.md section 7),
+# The paper's validation loss (GPT-2 124M, FineWeb, trained at 1024; docs/method.md section 7),
 # keyed by evaluation length / training length.
 PAPER = {
     arm.label: loss
@@ -257,6 +258,47 @@ def _provenance(results: list[dict[str, Any]], env: dict[str, Any]) -> tuple[str
     return head, rows
 
 
+# the 3-seed reports whose verdicts the findings rest on (docs/findings.md), newest of each
+DECISIVE = ("cpu", "cpu-paper-regime", "cpu-decomposition", "cpu-baselines")
+
+
+def _decisive_links(out: Path) -> list[str]:
+    """Markdown links, relative to ``out``, to the newest committed report of each
+    :data:`DECISIVE` preset and to the findings page, where this checkout has them."""
+    root = Path(__file__).resolve().parents[3]
+    links = []
+    for name in DECISIVE:
+        found = sorted(root.glob(f"reports/{name}-20??-??-??/REPORT.md"))
+        if found:
+            rel = os.path.relpath(found[-1], out.resolve())
+            links.append(f"[`{found[-1].parent.name}`]({Path(rel).as_posix()})")
+    findings = root / "docs" / "findings.md"
+    if findings.is_file():
+        rel = Path(os.path.relpath(findings, out.resolve())).as_posix()
+        links.append(f"[the findings]({rel})")
+    return links
+
+
+def one_seed_section(out: Path) -> list[str]:
+    """What a one-seed report can and cannot show, and where the verdicts are."""
+    links = _decisive_links(out)
+    where = ", ".join(links) if links else "the `cpu` presets' reports (3 seeds)"
+    return [
+        "## What one seed can and cannot show",
+        "",
+        "This report has one seed per arm. It can show that the pipeline runs end to end here "
+        "and how each arm's loss moves with length in this one run. It cannot show that one "
+        "arm is better than another: with one seed there is no interval, so every claim below "
+        "reads *no interval*. Its numbers also move with the host (bf16 kernels, the vector "
+        "ISA recorded as `cpu_isa`, float32 summation order, compounded over the training "
+        "steps): the same command on another machine gives other numbers, so another "
+        "machine's quick report is a check that both ran, not a second seed. The verdicts "
+        "rest on the 3-seed reports: "
+        f"{where}.",
+        "",
+    ]
+
+
 def write_report(
     preset_name: str, preset: Preset, results: list[dict[str, Any]], out: Path, seconds: float
 ) -> Path:
@@ -286,11 +328,12 @@ def write_report(
         f"its last {train_len} keys (at the training length that is the causal mask, so it "
         "trains exactly as softmax).",
         "",
+        *(one_seed_section(out) if len(seeds) == 1 else []),
         "## Validation loss by evaluation length",
         "",
         *_loss_table(losses, multiples, groups),
         "",
-        "## The paper (GPT-2 124M, FineWeb 10B, trained at 1024; METHOD.md section 7)",
+        "## The paper (GPT-2 124M, FineWeb 10B, trained at 1024; docs/method.md section 7)",
         "",
         "| attention | " + " | ".join(f"{m}x" for m in multiples) + " |",
         "|---" * (len(multiples) + 1) + "|",
@@ -381,12 +424,7 @@ def write_report(
         "",
         *prov_rows,
         "",
-        "This invocation's environment:",
-        "",
-        "```",
-        json.dumps(env, indent=1),
-        "```",
-        "",
+        *environment_section(env, "This invocation's environment:"),
     ]
     out.mkdir(parents=True, exist_ok=True)
     plot_results(results, out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lssar.studies.labels import WINDOW_PREFIX
 from lssar.studies.lm.presets import (
     ALTERNATIVES,
     LSSA,
@@ -35,7 +36,7 @@ Seeds = dict[int, float]  # seed -> value
 # Margins of the equivalence tests (TOST), the only way this report says "matches" or "as well"
 LOSS_MARGIN = 0.02  # nats of validation loss
 RELATIVE_MARGIN = 0.02  # of a ratio: ±2%
-WINDOW = "softmax, sliding window"  # label prefix of the window control (label_of adds the size)
+WINDOW = WINDOW_PREFIX  # label prefix of the window control (label_of adds the size)
 
 
 def find_label(groups: dict[str, Any], prefix: str) -> str | None:

@@ -10,7 +10,7 @@ predicted forces are handed to symbolic regression, which should recover ``F = G
 * :mod:`lssar.studies.orbits.ceiling` -- the noise ceiling: the true law seen through a probe's
   measured noise, the yardstick of the Newton criterion.
 * :mod:`lssar.studies.orbits.judging` / :mod:`.report` / :mod:`.plots` -- verdicts (paired by
-  seed), REPORT.md and figures; :mod:`.experiment` runs it all (``lssar orbits``).
+  seed), REPORT.md and figures; :mod:`.study` runs it all (``lssar orbits``).
 
 ``kepler`` and ``ceiling`` need only numpy, ``symreg`` numpy + scipy + sympy plus one SR backend
 (``pip install lssar[orbits]``); nothing is imported here, so that ``import

@@ -2,6 +2,11 @@
 it depends on) and written atomically; :func:`load_if` returns it only when the key matches, so
 a change of settings recomputes exactly the stages it invalidates and a damaged file is never
 trusted.
+
+This is a different job from a training run's checkpoint (:mod:`lssar.train.checkpoint`:
+resume a loop at its step, refuse another config): a stage here is short and is redone whole,
+and another setting is not refused but recomputed. The models it stores are checkpoints of
+that format all the same (:func:`save_torch`).
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from lssar.runio import atomic_write, load_data
+from lssar.runio import atomic_write
+from lssar.train.checkpoint import load_checkpoint, save_checkpoint
 
 
 def key_of(obj: Any) -> str:
@@ -23,10 +28,9 @@ def key_of(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def save_torch(path: Path, obj: Any) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write(path, buf.getvalue())
+def save_torch(path: Path, obj: dict[str, Any]) -> None:
+    """``obj`` (a state dict under ``"state"``, counters, a curve) as a checkpoint."""
+    save_checkpoint(path, **obj)
 
 
 def save_npz(path: Path, **arrays: Any) -> None:
@@ -59,7 +63,8 @@ def load_if(path: Path, key: str) -> Any:
                 obj = {k: z[k] for k in z.files}
             obj["key"] = str(obj["key"])
         else:
-            obj = load_data(path)
+            obj = load_checkpoint(path)
+            obj = {k: v for k, v in obj.items() if k not in ("format", "version")}
     except Exception:  # a damaged cache file is recomputed, never trusted
         return None
     return obj if isinstance(obj, dict) and obj.get("key") == key else None

@@ -17,7 +17,6 @@ has the masses that every other arm must infer from the motion.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from lssar.model import GPT, GPTConfig
+from lssar.train.schedule import set_lr, warmup_cosine
 
 FORMATS = ("continuous", "discrete")
 
@@ -254,15 +254,6 @@ def _batch(tokens: dict[str, Tensor], idx: Tensor) -> dict[str, Tensor]:
     return {k: v[idx] for k, v in tokens.items()}
 
 
-def _lr(step: int, total: int, peak: float) -> float:
-    """Linear warm-up over the first 10% of steps, then cosine decay to 10% of ``peak``."""
-    warm = max(1, total // 10)
-    if step < warm:
-        return peak * (step + 1) / warm
-    frac = (step - warm) / max(1, total - warm)
-    return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * frac)))
-
-
 def _optimise(
     model: nn.Module,
     loss_fn: Any,
@@ -275,16 +266,17 @@ def _optimise(
     progress: bool,
 ) -> list[float]:
     """AdamW (weight decay 0.01, grad clip 1) on batches drawn by ``np.random.default_rng(
-    seed)`` -- the same item order for every model given the same seed. Returns the loss
-    curve (one float per step)."""
+    seed)`` -- the same item order for every model given the same seed -- with a linear warmup
+    over the first 10% of the steps, then a cosine to 10% of ``lr``. Returns the loss curve
+    (one float per step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
     curve: list[float] = []
     model.train()
+    warmup = max(1, steps // 10)
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True)
     for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, steps, lr)
+        set_lr(opt, warmup_cosine(step, total=steps, peak=lr, warmup=warmup, floor_ratio=0.1))
         idx = torch.from_numpy(rng.choice(n_items, min(batch_size, n_items), replace=False))
         loss = loss_fn(idx)
         opt.zero_grad(set_to_none=True)

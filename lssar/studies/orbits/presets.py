@@ -1,6 +1,6 @@
 """The orbits experiment's settings: its arms (:data:`ARMS`), presets (:data:`PRESETS`) and
 ``--set`` overrides (:func:`parse_set`, :func:`resolve_preset`); what a run depends on, nothing
-that runs. The runner is :mod:`lssar.studies.orbits.experiment`, its cache
+that runs. The runner is :mod:`lssar.studies.orbits.study`, its cache
 :mod:`lssar.studies.orbits.cache`.
 """
 

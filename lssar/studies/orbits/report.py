@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from lssar.studies.common import provenance_head
+from lssar.studies.common import environment_section, provenance_head
 from lssar.studies.common import write_report as write_files
 from lssar.studies.orbits.ceiling import ERRORS, EXPONENTS, TARGET
 from lssar.studies.orbits.judging import (
@@ -335,10 +335,10 @@ def write_report(
         "",
         "## Claim under test",
         "",
-        "Paper v5 (METHOD.md §7, after Vafa et al. 2025): a GPT pretrained on planetary "
-        "trajectories and fine-tuned to predict forces yields, through symbolic regression on "
-        "its predictions, Newton's F ∝ m1·m2/r² with LSSAR, and physically meaningless "
-        "formulas with softmax.",
+        "Paper v5 (docs/method.md section 7, after Vafa et al. 2025): a GPT pretrained on "
+        "planetary trajectories and fine-tuned to predict forces yields, through symbolic "
+        "regression on its predictions, Newton's F ∝ m1·m2/r² with LSSAR, and physically "
+        "meaningless formulas with softmax.",
         "",
         v["text"],
         "",
@@ -372,12 +372,7 @@ def write_report(
         "",
         *[f"![{n}]({n})" for n in plots],
         "",
-        "## Environment",
-        "",
-        "```",
-        json.dumps(env, indent=1),
-        "```",
-        "",
+        *environment_section(env),
     ]
     summary = {}
     for arm, runs in by_seed(results).items():

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from lssar.studies.recall.presets import EVAL_SEED, eval_label, eval_ps
+from lssar.studies.labels import eval_label
+from lssar.studies.recall.presets import EVAL_SEED, eval_ps
 from lssar.studies.stats import mean_ci
 from lssar.studies.style import colour, facets, grid, legend_below, linestyle, spread
 

@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
+from lssar.positions import ROPE_SCALINGS, RopeScaling
 from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, EvalRule, arm_table, select_arms
 from lssar.studies.recall.task import RecallTask
@@ -36,7 +36,7 @@ ARMS = arm_table(
     Arm("lssar p=15", AttentionSpec("lssar", {"p": 15.0})),
     Arm("lssar p=3", AttentionSpec("lssar", {"p": 3.0})),
     Arm("window", AttentionSpec("softmax"), window=True),
-    # the practitioner's alternatives (issue #24): positions trained in, and RoPE rescaled at
+    # the practitioner's alternatives: positions trained in, and RoPE rescaled at
     # evaluation only (factor = the length multiple) on the softmax runs
     Arm("softmax + alibi", AttentionSpec("softmax"), pos="alibi"),
     Arm("softmax + nope", AttentionSpec("softmax"), pos="nope"),
@@ -51,7 +51,7 @@ ARMS = arm_table(
         for kind in ROPE_SCALINGS
     ),
 )
-PAPER_ARMS = tuple(list(ARMS)[:7])  # the arms of the cpu preset before issue #24
+PAPER_ARMS = tuple(list(ARMS)[:7])  # the paper's arms and the window control
 ALTERNATIVE_ARMS = tuple(list(ARMS)[7:])
 
 
@@ -78,16 +78,6 @@ def eval_rules(arm: Arm, ps: tuple[float, ...] | None = None) -> list[EvalRule]:
         rules = [r for r in rules if not _reweights(r)]
         rules = [EvalRule(AttentionSpec("lssar", {"p": p})) for p in ps] + rules
     return rules
-
-
-def eval_label(arm: Arm, rule: EvalRule | float | None) -> str:
-    """Row label: the arm, ``lssa -> lssar p=X (eval)`` for an eval-only re-weighting (``rule``
-    may be that p), ``softmax -> yarn auto (eval)`` for a RoPE scaling."""
-    if rule is None:
-        return arm.name
-    if not isinstance(rule, EvalRule):
-        rule = EvalRule(AttentionSpec("lssar", {"p": float(rule)}))
-    return f"{with_pos(arm.attention.label, arm.pos)} -> {rule.label} (eval)"
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,18 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lssar.studies.common import conditions, provenance_head
+from lssar.studies.common import conditions, environment_section, provenance_head
 from lssar.studies.common import write_report as write_files
+from lssar.studies.labels import eval_label
 from lssar.studies.recall.plots import plot_accuracy, plot_attention_maps
-from lssar.studies.recall.presets import ARMS, EVAL_PS, eval_label
+from lssar.studies.recall.presets import ARMS, EVAL_PS
 from lssar.studies.stats import mean_ci, verdict
 
-# the practitioner's alternatives (issue #24), as row labels: trained arms and eval-only rules
+# the practitioner's alternatives, as row labels: trained arms and eval-only rules
 ALTERNATIVES = [
     label
     for a in ARMS.values()
@@ -318,7 +318,7 @@ def write_report(
     if models:
         plot_attention_maps(models, cfg, out)
         lines.append("![attention maps](attention_maps.png)")
-    lines += ["", "## Environment", "", "```", json.dumps(meta.get("env", {}), indent=1), "```", ""]
+    lines += ["", *environment_section(meta.get("env", {}))]
     return write_files(out, lines, {"rows": rows, "meta": meta})
 
 
@@ -373,11 +373,6 @@ def write_pilot(models: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         "",
         f"{sum(verdicts)} of {len(verdicts)} models learned the task in this budget.",
         "",
-        "## Environment",
-        "",
-        "```",
-        json.dumps(meta["env"], indent=1),
-        "```",
-        "",
+        *environment_section(meta["env"]),
     ]
     return write_files(out, lines, {"models": models, "meta": meta}, "PILOT.md", "pilot.json")

@@ -6,8 +6,9 @@ module for why). Every trained arm shares the task, model size, steps, learning-
 and training batches of a seed (batch ``k`` of seed ``s`` is ``task.batch((s, k), ...)``); only
 the attention differs. Every arm is scored on the same evaluation sequences. Training is fp32
 (the CPUs this runs on have no native bf16). A run lives in ``RUNS/<arm>-s<seed>-<config
-hash>/``: ``ckpt.pt`` (atomic, every ``ckpt_every`` steps) while it trains, ``model.pt`` +
-``done.json`` once finished, and one ``eval-*.json`` per evaluation rule; finished runs are
+hash>/``, a run directory of :mod:`lssar.train.checkpoint` (``config.json``, ``env.json``,
+``log.jsonl``, ``ckpt/latest.pt`` every ``ckpt_every`` steps, ``ckpt/final.pt`` and ``DONE``
+once finished) with one ``eval-*.json`` per evaluation rule beside them; finished runs are
 reused, unfinished runs resume from their checkpoint (one trainer per run: a lock), and a
 changed setting gets a new hash; an evaluation is reused only under its key (the model's sha256,
 the rule, the evaluation sequences and the code), never stale. With ``jobs > 1`` the (seed,
@@ -16,14 +17,13 @@ use one core far better than two threads do); the results do not depend on ``job
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import hashlib
 import json
-import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +31,43 @@ import torch
 import torch.nn.functional as F
 
 from lssar.model import GPTConfig
-from lssar.runio import (
-    atomic_write,
-    environment,
-    exclusive_lock,
-    load_data,
-    remove_stale_temps,
+from lssar.runio import atomic_write, environment
+from lssar.studies.common import (
+    Arm,
+    EvalRule,
+    Study,
+    code_digest,
+    study_args,
+    study_parser,
+    units_by_run,
 )
-from lssar.studies.common import Arm, EvalRule, code_digest, run_units, units_by_run
+from lssar.studies.labels import eval_label
 from lssar.studies.recall.model import RecallModel
 from lssar.studies.recall.presets import (
     ARMS,
     EVAL_SEED,
     PRESETS,
     StudyConfig,
-    eval_label,
     eval_rules,
     parse_set,
     preset_config,
     train_p,
 )
 from lssar.studies.recall.task import IGNORE
-from lssar.train.runs import file_sha256
+from lssar.train.checkpoint import (
+    CONFIG,
+    DONE,
+    ENV,
+    FINAL,
+    RunDir,
+    file_sha256,
+    load_checkpoint,
+    load_state,
+    open_run,
+    read_json,
+    read_log,
+)
+from lssar.train.schedule import set_lr, warmup_cosine
 
 # what an evaluation's scores depend on besides the model and the settings
 _EVAL_SOURCES = (
@@ -99,25 +114,6 @@ def build_model(cfg: StudyConfig, arm: Arm) -> RecallModel:
     )
 
 
-def _lr(cfg: StudyConfig, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def _save(path: Path, obj: Any) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def _load(path: Path) -> Any:
-    """A file this study wrote, read back as data only (:func:`lssar.runio.load_data`)."""
-    try:
-        return load_data(path)
-    except ValueError as e:
-        raise ValueError(f"{path} is damaged or not this study's ({e}): delete it") from e
-
-
 def train_arm(
     cfg: StudyConfig,
     arm: Arm,
@@ -126,7 +122,8 @@ def train_arm(
     progress: bool = True,
     stop_after: int | None = None,
 ) -> tuple[RecallModel, dict[str, Any]]:
-    """Train (or reuse, or resume) one arm/seed; returns the model and its ``done.json``.
+    """Train (or reuse, or resume) one arm/seed; returns the model and its record
+    (:func:`_record`).
 
     ``stop_after`` stops (with a checkpoint) after that many steps of this call: for tests of
     resume, and to spread a long preset over several invocations.
@@ -134,35 +131,46 @@ def train_arm(
     rd = run_dir(runs, cfg, arm, seed)
     if (finished := _finished(cfg, arm, rd)) is not None:
         return finished
-    with exclusive_lock(rd, "recall run"):  # one trainer per run (two invocations, one runs dir)
+    # one trainer per run (two invocations, one runs dir); the name hashes the config, which
+    # config.json holds and a resume checks
+    with open_run(rd, _train_key(cfg, arm), what="recall run") as run:
         if (finished := _finished(cfg, arm, rd)) is not None:  # by the lock's last holder
             return finished
-        remove_stale_temps(rd)  # a checkpoint write that was killed
-        return _train_arm(cfg, arm, seed, rd, progress, stop_after)
+        return _train_arm(cfg, arm, seed, run, progress, stop_after)
+
+
+def _record(rd: Path) -> dict[str, Any]:
+    """A finished run's record: its ``DONE`` summary (``arm``, ``seed``, ``steps``,
+    ``train_seconds``), ``log`` (training loss and accuracy every 50 steps), ``env`` and
+    ``config``."""
+    done = read_json(rd / DONE)
+    return done | {
+        "finished": True,
+        "log": read_log(rd),
+        "env": read_json(rd / ENV),
+        "config": read_json(rd / CONFIG),
+    }
 
 
 def _finished(cfg: StudyConfig, arm: Arm, rd: Path) -> tuple[RecallModel, dict[str, Any]] | None:
-    if not ((rd / "done.json").exists() and (rd / "model.pt").exists()):
+    if not ((rd / DONE).is_file() and (rd / FINAL).is_file()):
         return None
     model = build_model(cfg, arm)
-    model.load_state_dict(_load(rd / "model.pt"))
-    return model.eval(), json.loads((rd / "done.json").read_text())
+    load_state(model, load_checkpoint(rd / FINAL)["model"], rd / FINAL)
+    return model.eval(), _record(rd)
 
 
 def _train_arm(
-    cfg: StudyConfig, arm: Arm, seed: int, rd: Path, progress: bool, stop_after: int | None
+    cfg: StudyConfig, arm: Arm, seed: int, run: RunDir, progress: bool, stop_after: int | None
 ) -> tuple[RecallModel, dict[str, Any]]:
     torch.manual_seed(seed)
     model = build_model(cfg, arm)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
-    start, log, elapsed = 0, [], 0.0
-    if (rd / "ckpt.pt").exists():
-        ck = _load(rd / "ckpt.pt")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        start, log, elapsed = ck["step"], ck["log"], ck["elapsed"]
+    state = run.resume(model, opt)
+    start, elapsed = (0, 0.0) if state is None else (state["step"], state["elapsed"])
+    run.start(start, environment("cpu"))
     L = cfg.task.train_len
     window = L if arm.window else None
     bar = None
@@ -174,8 +182,8 @@ def _train_arm(
     model.train()
     for step in range(start, cfg.steps):
         b = cfg.task.batch((seed, step), L, cfg.batch_size)
-        for g in opt.param_groups:
-            g["lr"] = _lr(cfg, step)
+        lr = warmup_cosine(step, total=cfg.steps, peak=cfg.lr, warmup=cfg.warmup, floor_ratio=0.1)
+        set_lr(opt, lr)
         logits, _ = model(b["tokens"], window=window)
         tgt = b["targets"]
         loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
@@ -189,47 +197,27 @@ def _train_arm(
             loss_sum += loss.item()
             n += 1
         if (step + 1) % 50 == 0 or step + 1 == cfg.steps:
-            log.append({"step": step + 1, "loss": loss_sum / n, "acc": acc_sum / n})
+            run.log(step=step + 1, loss=loss_sum / n, acc=acc_sum / n)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{acc_sum / n:.2f}")
             acc_sum = loss_sum = 0.0
             n = 0
-            if bar is not None:
-                bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc=f"{log[-1]['acc']:.2f}")
         if bar is not None:
             bar.update(1)
         done_here += 1
         last = step + 1 == cfg.steps
         stop = stop_after is not None and done_here >= stop_after and not last
-        if (step + 1) % cfg.ckpt_every == 0 or stop:
-            _save(
-                rd / "ckpt.pt",
-                {
-                    "model": model.state_dict(),
-                    "opt": opt.state_dict(),
-                    "step": step + 1,
-                    "log": log,
-                    "elapsed": elapsed + time.time() - t0,
-                },
-            )
+        if (step + 1) % cfg.ckpt_every == 0 or stop or last:
+            run.save(step + 1, model, opt, elapsed=elapsed + time.time() - t0)
         if stop:
             if bar is not None:
                 bar.close()
             return model.eval(), {"finished": False, "step": step + 1}
     if bar is not None:
         bar.close()
-    _save(rd / "model.pt", model.state_dict())
-    done = {
-        "finished": True,
-        "arm": arm.name,
-        "seed": seed,
-        "steps": cfg.steps,
-        "train_seconds": elapsed + time.time() - t0,
-        "log": log,
-        "config": _train_key(cfg, arm),
-        "env": environment("cpu"),
-    }
-    atomic_write(rd / "done.json", json.dumps(done, indent=1, default=str))
-    (rd / "ckpt.pt").unlink(missing_ok=True)
-    return model.eval(), done
+    seconds = elapsed + time.time() - t0
+    run.finish(arm=arm.name, seed=seed, steps=cfg.steps, train_seconds=seconds)
+    return model.eval(), _record(run.path)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -245,13 +233,13 @@ def evaluate_arm(
     scaling from the training length)."""
     name = ("window-sink" if arm.window else "trained") if rule is None else rule.slug()
     path = rd / f"eval-{name}-{cfg.eval_seqs}.json"
-    # what the scores depend on: the model's weights (model.pt; a retrained run is another
+    # what the scores depend on: the model's weights (ckpt/final.pt; a retrained run is another
     # model), the rule, the evaluation sequences (eval_batch cuts them into seeded chunks) and
     # the code; each length multiple is cached under it and added to it when asked for
     key = json.loads(
         json.dumps(
             {
-                "model_sha256": file_sha256(rd / "model.pt"),  # a finished run's
+                "model_sha256": file_sha256(rd / FINAL),  # a finished run's
                 "rule": name,
                 "task": dataclasses.asdict(cfg.task),
                 "eval_seqs": cfg.eval_seqs,
@@ -386,6 +374,95 @@ def run_unit(
     return info, rows
 
 
+@dataclass
+class RecallStudy(Study):
+    """``lssar recall``: one unit per trained model (its seed, the arms evaluated on it), each
+    trained (:func:`train_arm`) and evaluated with every rule (:func:`run_unit`); the report
+    (:mod:`lssar.studies.recall.report`) gets the tidy rows and the first seed's models for the
+    attention maps."""
+
+    cfg: StudyConfig
+    runs: Path
+    out: Path
+    name: str = "custom"
+    progress: bool = True  # inside a unit: bars per model (one unit at a time only)
+    attention_maps: bool = True
+
+    def units(self) -> list[tuple[Any, ...]]:
+        return units(self.cfg)
+
+    def run_unit(self, seed: int, arms: tuple[str, ...]) -> Any:
+        return run_unit(self.cfg, seed, arms, self.runs, self.progress)
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        from lssar.studies.recall.report import write_report
+
+        cfg = self.cfg
+        train_info = [x for info, _ in results for x in info]
+        rows = [r for _, unit_rows in results for r in unit_rows]
+        models: dict[str, tuple[RecallModel, Arm]] = {}
+        if self.attention_maps:  # the first seed's models (finished: loaded, not trained)
+            for seed, arms in self.units():
+                if seed == cfg.seeds[0]:
+                    model, _ = train_arm(cfg, ARMS[arms[0]], seed, self.runs, progress=False)
+                    for a in arms:
+                        models[a] = (model, ARMS[a])
+        models = {a: models[a] for a in cfg.arms if a in models}
+        meta = self._meta(seconds, runs=train_info)
+        write_report(rows, meta, self.out, models or None, cfg)
+        return self.out
+
+    def _meta(self, seconds: float, **extra: Any) -> dict[str, Any]:
+        """What the report records of this invocation; ``runs`` after the config, ``command``
+        before the environment (the order of earlier reports)."""
+        meta = {"preset": self.name, "config": dataclasses.asdict(self.cfg)}
+        if "runs" in extra:
+            meta["runs"] = extra.pop("runs")
+        meta |= {"seconds": seconds, "date": dt.date.today().isoformat()}
+        return meta | extra | {"env": environment("cpu")}
+
+
+@dataclass
+class RecallPilot(RecallStudy):
+    """``lssar recall --pilot``: train only; ``PILOT.md`` with each model's training accuracy
+    against step."""
+
+    command: str = "lssar.studies.recall.study.run_pilot"
+
+    def run_unit(self, seed: int, arms: tuple[str, ...]) -> Any:
+        return pilot_unit(self.cfg, seed, arms, self.runs, self.progress)
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        from lssar.studies.recall.report import write_pilot
+
+        return write_pilot(results, self._meta(seconds, command=self.command), self.out)
+
+
+def _run(study: RecallStudy, progress: bool) -> Path:
+    """Run ``study`` with the config's workers (one unit: in this process), a bar over the
+    units when there are several workers."""
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    todo = study.units()
+    jobs = study.cfg.jobs if len(todo) > 1 else 1
+    study.progress = progress and jobs == 1
+    bar = None
+    if progress and jobs > 1:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"models ({jobs} workers)")
+
+    def finished(i: int, _: Any) -> None:
+        if bar is not None:
+            bar.write(f"done: {', '.join(todo[i][1])} (seed {todo[i][0]})")
+            bar.update(1)
+
+    try:
+        return study.run(jobs, finished).report
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def run_study(
     cfg: StudyConfig,
     out: str | Path,
@@ -395,48 +472,8 @@ def run_study(
     attention_maps: bool = True,
 ) -> Path:
     """Train/reuse every (arm, seed), evaluate, write ``results.json``, REPORT.md and plots."""
-    from lssar.studies.recall.report import write_report
-
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    out, runs = Path(out), Path(runs)
-    started = time.time()
-    todo = units(cfg)
-    parallel = cfg.jobs > 1 and len(todo) > 1
-    bar = None
-    if progress and parallel:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), desc=f"models ({cfg.jobs} workers)")
-
-    def finished(i: int, _: Any) -> None:
-        if bar is not None:
-            bar.write(f"done: {', '.join(todo[i][1])} (seed {todo[i][0]})")
-            bar.update(1)
-
-    work = [(cfg, seed, arms, runs, progress and not parallel) for seed, arms in todo]
-    results = run_units(run_unit, work, cfg.jobs if parallel else 1, finished)
-    if bar is not None:
-        bar.close()
-    train_info = [x for info, _ in results for x in info]
-    rows = [r for _, unit_rows in results for r in unit_rows]
-    models: dict[str, tuple[RecallModel, Arm]] = {}
-    if attention_maps:  # the first seed's models (finished: loaded, not trained)
-        for seed, arms in todo:
-            if seed == cfg.seeds[0]:
-                model, _ = train_arm(cfg, ARMS[arms[0]], seed, runs, progress=False)
-                for a in arms:
-                    models[a] = (model, ARMS[a])
-    models = {a: models[a] for a in cfg.arms if a in models}
-    meta = {
-        "preset": name,
-        "config": dataclasses.asdict(cfg),
-        "runs": train_info,
-        "seconds": time.time() - started,
-        "date": dt.date.today().isoformat(),
-        "env": environment("cpu"),
-    }
-    write_report(rows, meta, out, models or None, cfg)
-    return out
+    study = RecallStudy(cfg, Path(runs), Path(out), name, attention_maps=attention_maps)
+    return _run(study, progress)
 
 
 def pilot_unit(
@@ -465,40 +502,18 @@ def run_pilot(
     """Train every model of ``cfg`` and write ``PILOT.md`` + ``pilot.json``: training accuracy
     against step for each, and the step at which it learned the task (or that it did not).
     This is how a setting is sized before a study runs in it (``lssar recall --pilot``)."""
-    from lssar.studies.recall.report import write_pilot
-
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    out, runs = Path(out), Path(runs)
-    started = time.time()
-    todo = units(cfg)
-    jobs = cfg.jobs if len(todo) > 1 else 1
-    work = [(cfg, seed, arms, runs, progress and jobs == 1) for seed, arms in todo]
-    models = run_units(pilot_unit, work, jobs)
-    meta = {
-        "preset": name,
-        "config": dataclasses.asdict(cfg),
-        "seconds": time.time() - started,
-        "date": dt.date.today().isoformat(),
-        "command": command,
-        "env": environment("cpu"),
-    }
-    return write_pilot(models, meta, out)
+    return _run(RecallPilot(cfg, Path(runs), Path(out), name, command=command), progress)
 
 
 def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="lssar recall",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = study_parser(
+        "lssar recall",
+        __doc__,
+        PRESETS,
+        ARMS,
+        runs="runs/recall",
+        out="reports/recall-PRESET-DATE, or reports/pilot-PRESET-DATE",
     )
-    ap.add_argument(
-        "--preset", default="quick", help=", ".join(f"{k} ({v.budget})" for k, v in PRESETS.items())
-    )
-    ap.add_argument("--out", help="report directory (default reports/recall-PRESET-DATE)")
-    ap.add_argument("--runs", help="run directories (default runs/recall)")
-    ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(ARMS)}")
-    ap.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
-    ap.add_argument("--jobs", type=int, help="worker processes (default: the preset's)")
     ap.add_argument(
         "--set",
         action="append",
@@ -512,16 +527,13 @@ def cli(argv: list[str]) -> int:
         help="train only and report training accuracy against step (PILOT.md): size a "
         "setting before studying it",
     )
-    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    arms, seeds = study_args(args)
     over: dict[str, Any] = parse_set(args.set)
-    if args.arms:
-        over["arms"] = tuple(a.strip() for a in args.arms.split(","))
-    if args.seeds:
-        try:
-            over["seeds"] = tuple(int(s) for s in args.seeds.split(","))
-        except ValueError:
-            raise ValueError(f"--seeds {args.seeds!r}: expected integers like 0,1,2") from None
+    if arms:
+        over["arms"] = tuple(arms)
+    if seeds:
+        over["seeds"] = tuple(seeds)
     if args.jobs is not None:
         over["jobs"] = args.jobs
     cfg = preset_config(args.preset, **over)

@@ -9,19 +9,26 @@ generated from the run directories by :mod:`lssar.studies.lm.report`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime as dt
+import json
 import os
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from lssar.ops.registry import get_variant
 from lssar.spec import AttentionSpec
-from lssar.studies.common import Arm, run_units, units_by_run
+from lssar.studies.common import Arm, Study, select_arms, study_args, study_parser, units_by_run
+from lssar.studies.lm import report
 from lssar.studies.lm.evaluate import evaluate_run
 from lssar.studies.lm.presets import ARMS, PRESETS, Preset
-from lssar.studies.lm.report import write_report
 
 
 def at_training_length(spec: AttentionSpec, seq_len: int) -> AttentionSpec:
@@ -38,6 +45,64 @@ def _run_name(preset: str, arm: Arm, seed: int) -> str:
     window control, its RoPE scalings) share one; RoPE runs keep their earlier names."""
     pos = "" if arm.pos == "rope" else f"-{arm.pos}"
     return f"{preset}-{arm.attention.slug()}{pos}-s{seed}"
+
+
+def _steps_done(run: Path) -> int:
+    """The last training step ``run/log.jsonl`` records (0 before the first). Read while the run
+    trains, so a line being appended is skipped, not reported."""
+    try:
+        lines = (run / "log.jsonl").read_bytes().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            return rec["step"]
+    return 0
+
+
+class CommandProgress:
+    """Every ``every`` seconds, one line for the whole command: training steps done over all its
+    runs, time elapsed, and about how long is left at the rate of the steps done so far
+    (evaluations included, since they take their share of the elapsed time). Reads each run's
+    ``log.jsonl``, so it works alike with ``--jobs``."""
+
+    def __init__(self, runs: list[Path], steps_per_run: int, every: float = 30.0) -> None:
+        self.runs, self.total, self.every = runs, steps_per_run * len(runs), every
+        self.before = self.done()  # finished or resumed work is not this invocation's rate
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def done(self) -> int:
+        return sum(_steps_done(r) for r in self.runs)
+
+    def line(self) -> str:
+        done, elapsed = self.done(), time.time() - self.started
+        head = f"[whole command] {done:,}/{self.total:,} training steps over {len(self.runs)} runs"
+        head += f", {elapsed / 60:.1f} min elapsed"
+        new = done - self.before
+        if done >= self.total:
+            return head + "; training done, the last evaluations are running"
+        if new <= 0:
+            return head + "; time left: after the first logged steps"
+        left = (self.total - done) * elapsed / new / 60
+        return head + f", about {left:.0f} min left"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            tqdm.write(self.line(), file=sys.stderr)
+
+    def __enter__(self) -> CommandProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
@@ -66,7 +131,7 @@ def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
 
 
 def evaluate_arm(
-    preset_name: str, arm: Arm, run: Path, train_len: int, progress: bool = True
+    preset: Preset, folder: str, arm: Arm, run: Path, train_len: int, progress: bool = True
 ) -> list[dict[str, Any]]:
     """The evaluations of one trained run for ``arm``: its own rule, or the sliding window of
     the training length for the window control (with passkey if ``arm`` is one of the preset's
@@ -74,12 +139,11 @@ def evaluate_arm(
     paper's fine-tuning-free re-weighting, the RoPE scalings). They go to
     ``RUN/eval/<folder>/`` (the preset's name unless it shares another's): presets that share a
     training run (quick and cpu) keep their own evaluations."""
-    preset = PRESETS[preset_name]
     kw = dict(
         multiples=preset.multiples,
         eval_tokens=preset.eval_tokens,
         progress=progress,
-        folder=preset.eval_folder or preset_name,
+        folder=folder,
     )
     pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
     out = []
@@ -104,10 +168,11 @@ def evaluate_arm(
 
 
 def _train_and_evaluate(
-    preset_name: str,
+    preset: Preset,
+    folder: str,
     arm_names: tuple[str, ...],
     seed: int,
-    runs_dir: Path,
+    runs: Path,
     overrides: list[str],
     progress: bool,
 ) -> list[list[dict[str, Any]]]:
@@ -117,7 +182,7 @@ def _train_and_evaluate(
     from lssar.train import train
     from lssar.train.config import load_config, parse_overrides
 
-    preset, arm = PRESETS[preset_name], ARMS[arm_names[0]]
+    arm = ARMS[arm_names[0]]
     seq_len = load_config(preset.train_preset, parse_overrides(overrides)).seq_len
     cfg = load_config(
         preset.train_preset,
@@ -125,7 +190,7 @@ def _train_and_evaluate(
             **at_training_length(arm.attention, seq_len).to_train(),
             "pos": arm.pos,
             "seed": seed,
-            "out_dir": str(runs_dir),
+            "out_dir": str(runs),
             "run_name": _run_name(preset.train_preset, arm, seed),
             **parse_overrides(overrides),
         },
@@ -134,18 +199,58 @@ def _train_and_evaluate(
     run = train(cfg, resume=True, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates
         return [[] for _ in arm_names]
-    return [evaluate_arm(preset_name, ARMS[a], run, cfg.seq_len, progress) for a in arm_names]
+    return [evaluate_arm(preset, folder, ARMS[a], run, cfg.seq_len, progress) for a in arm_names]
 
 
-def reproduce(
+@dataclass
+class LMStudy(Study):
+    """``lssar reproduce``: one unit per training run (its arms, its seed), each trained with
+    :func:`lssar.train.train` and evaluated with :func:`lssar.studies.lm.evaluate.evaluate_run`;
+    the report reads the results in (seed, arm) order, whatever the grouping or the workers."""
+
+    name: str
+    preset: Preset
+    runs: Path
+    out: Path
+    overrides: list[str]
+    progress: bool
+
+    def units(self) -> list[tuple[Any, ...]]:
+        p = self.preset
+        groups = units_by_run(p.arms, p.seeds, lambda a, s: _run_name(p.train_preset, ARMS[a], s))
+        folder = p.eval_folder or self.name
+        return [
+            (p, folder, arms, seed, self.runs, self.overrides, self.progress)
+            for seed, arms in groups
+        ]
+
+    def run_unit(self, *unit: Any) -> list[list[dict[str, Any]]]:
+        return _train_and_evaluate(*unit)
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        by_arm = {}  # (seed, arm) -> its results
+        for (_, _, arms, seed, *_), per_arm in zip(self.units(), results):
+            by_arm.update({(seed, a): rs for a, rs in zip(arms, per_arm)})
+        flat = [
+            r for seed in self.preset.seeds for a in self.preset.arms for r in by_arm[(seed, a)]
+        ]
+        if int(os.environ.get("RANK", "0")) != 0:
+            return self.out
+        return report.write_report(self.name, self.preset, flat, self.out, seconds)
+
+
+def run_study(
     preset_name: str,
-    runs_dir: str | Path | None = None,
-    reports_dir: str | Path = "reports",
+    runs: str | Path | None = None,
+    out: str | Path | None = None,
     progress: bool = True,
     overrides: list[str] | None = None,
     jobs: int = 1,
+    arms: list[str] | None = None,
+    seeds: list[int] | None = None,
 ) -> Path:
-    """Train + evaluate every arm of ``preset_name``; returns the report directory.
+    """Train + evaluate every arm of ``preset_name`` (or ``arms``, ``seeds``); returns the
+    report directory (``out``, default ``reports/<preset>-<date>``).
 
     ``jobs > 1`` trains and evaluates that many runs at once, in worker processes of one torch
     thread each (not under torchrun, whose ranks train each run together)."""
@@ -156,58 +261,61 @@ def reproduce(
     if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(f"--jobs {jobs} under torchrun: the ranks already share each run; drop it")
     preset = PRESETS[preset_name]
+    if arms is not None or seeds is not None:
+        preset = dataclasses.replace(
+            preset,
+            arms=select_arms(ARMS, arms) if arms is not None else preset.arms,
+            seeds=list(seeds) if seeds is not None else preset.seeds,
+        )
     # Runs are named by the training preset, so presets that share it (quick, cpu) share runs.
-    runs_dir = Path(runs_dir or f"runs/reproduce-{preset.train_preset}")
-    started = time.time()
-    groups = units_by_run(
-        preset.arms, preset.seeds, lambda a, s: _run_name(preset.train_preset, ARMS[a], s)
-    )
-    units = [
-        (preset_name, arms, seed, runs_dir, list(overrides or []), progress and jobs == 1)
-        for seed, arms in groups
-    ]
-    done = run_units(_train_and_evaluate, units, jobs)
-    by_arm = {
-        (seed, a): rs for (seed, arms), per_arm in zip(groups, done) for a, rs in zip(arms, per_arm)
-    }
-    # the report reads the results in (seed, arm) order, whatever the grouping or the workers
-    results = [r for seed in preset.seeds for a in preset.arms for r in by_arm[(seed, a)]]
-    if int(os.environ.get("RANK", "0")) != 0:
-        return Path(reports_dir)
-    stamp = dt.date.today().isoformat()
-    out = Path(reports_dir) / f"{preset_name}-{stamp}"
-    write_report(preset_name, preset, results, out, time.time() - started)
-    return out
+    runs = Path(runs or f"runs/reproduce-{preset.train_preset}")
+    out = Path(out or f"reports/{preset_name}-{dt.date.today().isoformat()}")
+    study = LMStudy(preset_name, preset, runs, out, list(overrides or []), progress and jobs == 1)
+    from lssar.train.config import load_config, parse_overrides
+
+    steps = load_config(preset.train_preset, parse_overrides(list(overrides or []))).max_steps
+    run_dirs = [runs / _run_name(preset.train_preset, ARMS[u[2][0]], u[3]) for u in study.units()]
+    tell = progress and int(os.environ.get("RANK", "0")) == 0
+    if tell:
+        print(
+            f"lssar reproduce --preset {preset_name}: {len(run_dirs)} training runs of {steps} "
+            f"steps and their evaluations ({preset.budget or 'no estimate'}); a [whole command] "
+            "line every 30 s says how long is left",
+            flush=True,
+        )
+    with CommandProgress(run_dirs, steps) if tell else contextlib.nullcontext():
+        return study.run(jobs).report
 
 
 def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="lssar reproduce",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = study_parser(
+        "lssar reproduce",
+        __doc__,
+        PRESETS,
+        ARMS,
+        runs="runs/reproduce-TRAIN_PRESET",
+        out="reports/PRESET-DATE",
+        renamed={"--runs-dir": "--runs"},
     )
-    ap.add_argument(
-        "--preset", default="quick", help=", ".join(f"{k} ({v.budget})" for k, v in PRESETS.items())
-    )
-    ap.add_argument("--runs-dir", help="where the runs live (default runs/reproduce-PRESET)")
-    ap.add_argument("--reports-dir", default="reports")
-    ap.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="runs trained and evaluated at once, one thread each (default 1: one run at a "
-        "time with every thread); results do not depend on it beyond float summation order",
-    )
+    ap.add_argument("--reports-dir", help=argparse.SUPPRESS)  # deprecated: the parent of --out
     ap.add_argument(
         "--execute",
         action="store_true",
         help="paper preset: run the torchrun commands here instead of printing them",
     )
+    ap.epilog = "Other --key=value arguments override the training preset (e.g. --max_steps=50)."
     args, overrides = ap.parse_known_args(argv)
+    arms, seeds = study_args(args)
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    if args.reports_dir is not None:
+        print(
+            "note: --reports-dir is deprecated, use --out (the report directory)", file=sys.stderr
+        )
+        stamp = dt.date.today().isoformat()
+        args.out = args.out or str(Path(args.reports_dir) / f"{args.preset}-{stamp}")
     if args.preset == "paper" and not args.execute:
-        runs = Path(args.runs_dir or f"runs/reproduce-{PRESETS['paper'].train_preset}")
+        runs = Path(args.runs or f"runs/reproduce-{PRESETS['paper'].train_preset}")
         print(
             f"# {PRESETS['paper'].description}\n# expected time: {PRESETS['paper'].budget}\n"
             "# run these on a GPU node, or there: torchrun --standalone --nproc_per_node=8 "
@@ -216,8 +324,15 @@ def cli(argv: list[str]) -> int:
         )
         print("\n".join(paper_commands(PRESETS["paper"], runs)))
         return 0
-    out = reproduce(
-        args.preset, args.runs_dir, args.reports_dir, overrides=overrides, jobs=args.jobs
+    out = run_study(
+        args.preset,
+        args.runs,
+        args.out,
+        not args.no_progress,
+        overrides,
+        args.jobs or 1,
+        arms,
+        seeds,
     )
     print((out / "REPORT.md").read_text())
     print(f"report: {out / 'REPORT.md'}")

@@ -15,11 +15,12 @@ also run on its noise ceiling (:mod:`.ceiling`: the true forces seen through tha
 probe noise), which is what the report judges the arm's exponents against.
 
 Every stage (pretraining, force probe, symbolic regression) of every arm and seed is cached in
-``runs/orbits-<preset>/<arm>-s<seed>/`` under a hash of everything it depends on (settings,
-data, and a digest of the code that computes it), written atomically by one process at a time (a
-lock), so re-running reuses finished work, resumes after a kill at the last finished stage and
-recomputes only what a change of settings invalidates (:mod:`.cache`). The report
-(``reports/orbits-<preset>-<date>/``) is generated from those files (:mod:`.report`).
+``runs/orbits-<preset>/<arm>-s<seed>/`` (the dataset in ``runs/orbits-<preset>/data/``) under a
+hash of everything it depends on (settings, data, and a digest of the code that computes it),
+written atomically by one process at a time (a lock), so re-running reuses finished work,
+resumes after a kill at the last finished stage and recomputes only what a change of settings
+invalidates (:mod:`.cache`). The report (``reports/orbits-<preset>-<date>/``) is generated from
+those files (:mod:`.report`).
 
 This module is the runner; the arms, presets and ``--set`` parser live in :mod:`.presets` (and
 are importable from here), the networks and training loops in :mod:`.models`.
@@ -27,19 +28,20 @@ are importable from here), the networks and training loops in :mod:`.models`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import os
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from lssar.runio import environment, exclusive_lock, remove_stale_temps
-from lssar.studies.common import code_digest, run_units
+from lssar.runio import environment, exclusive_lock
+from lssar.studies.common import Study, code_digest, study_args, study_parser
 from lssar.studies.orbits import kepler, symreg
 from lssar.studies.orbits.cache import key_of, load_if, save_json, save_npz, save_torch
 from lssar.studies.orbits.ceiling import exponent_errors, noise_ceiling
@@ -63,11 +65,13 @@ from lssar.studies.orbits.presets import (
     parse_set,
     resolve_preset,
 )
+from lssar.train.checkpoint import CONFIG, ENV, open_run
 
 __all__ = [  # the settings live in .presets; imported from here as before
     "ARMS",
     "PRESETS",
     "Arm",
+    "OrbitsStudy",
     "Preset",
     "Runner",
     "check_arms",
@@ -76,7 +80,7 @@ __all__ = [  # the settings live in .presets; imported from here as before
     "parse_set",
     "prepare_data",
     "resolve_preset",
-    "run_experiment",
+    "run_study",
     "sr_points",
     "symbolic_regression",
 ]
@@ -87,6 +91,7 @@ _CODE = (
     "studies/orbits/models.py",
     "studies/orbits/symreg.py",
     "studies/orbits/ceiling.py",
+    "train/schedule.py",
     "model.py",
     "spec.py",
     "ops",
@@ -94,10 +99,9 @@ _CODE = (
 
 
 # ------------------------------------------------------------------------------- data
-def prepare_data(p: Preset, name: str, root: Path, device: torch.device) -> Data:
-    """Generate (or reuse) ``root/data/orbits-<name>/`` and encode it in ``p.fmt``."""
+def prepare_data(p: Preset, ddir: Path, device: torch.device) -> Data:
+    """Generate (or reuse) the dataset ``ddir`` and encode it in ``p.fmt``."""
     cfg = kepler.preset(p.data_preset, **p.data)  # kepler validates the orbital parameters
-    ddir = root / "data" / f"orbits-{name}"
     with exclusive_lock(ddir, "orbits dataset", wait=True):  # one writer; the rest reuse it
         manifest = kepler.make_splits(cfg, ddir, p.fractions)
     raw = {s: kepler.load_split(ddir, s) for s in kepler.SPLITS}
@@ -170,21 +174,22 @@ def symbolic_regression(
 
 
 class Runner:
-    """Runs (or reuses) arm/seed runs of one preset."""
+    """Runs (or reuses) arm/seed runs of one preset in ``runs/<arm>-s<seed>/``, on the dataset
+    ``runs/data/``."""
 
     def __init__(
-        self, name: str, p: Preset, root: Path, backend: str, device: torch.device, progress: bool
+        self, p: Preset, runs: Path, backend: str, device: torch.device, progress: bool
     ) -> None:
-        self.name, self.p, self.root, self.backend = name, p, root, backend
+        self.p, self.runs, self.backend = p, runs, backend
         self.device, self.progress = device, progress
-        self.runs = root / "runs" / f"orbits-{name}"
-        self.data = prepare_data(p, name, root, device)
+        self.data = prepare_data(p, runs / "data", device)
         self.computed: list[str] = []  # stages computed (not reused) by this invocation
 
     def run(self, arm: Arm, seed: int) -> dict[str, Any]:
         d = self.runs / f"{arm.name}-s{seed}"
-        with exclusive_lock(d, "orbits run"):  # two invocations on one --out: one works here
-            remove_stale_temps(d)  # a stage write that was killed
+        # two invocations on one --runs: one works here; a stage write that was killed is
+        # removed. No config check: another setting recomputes the stages it changes
+        with open_run(d, what="orbits run"):
             return self._run(arm, seed, d)
 
     def _run(self, arm: Arm, seed: int, d: Path) -> dict[str, Any]:
@@ -312,16 +317,16 @@ class Runner:
         torch.manual_seed(seed)
         model = OrbitGPT(mcfg).to(self.device)
         save_json(
-            d / "config.json",
+            d / CONFIG,
             {
                 "preset": dataclasses.asdict(p),
                 "arm": arm.name,
                 "seed": seed,
                 "model": mcfg.to_json(),
                 "data": data.info,
-                "env": environment(self.device, sr_backends=symreg.installed_backends()),
             },
         )
+        save_json(d / ENV, environment(self.device, sr_backends=symreg.installed_backends()))
         pre = None
         if arm.pretrained:
             pre = load_if(d / "pretrained.pt", k1)
@@ -374,34 +379,76 @@ class Runner:
 
 
 # ------------------------------------------------------------------------------- entry
-def _run_job(
-    name: str, p: Preset, root: Path, backend: str, device: str, arm: str, seed: int
-) -> tuple[dict[str, Any], list[str]]:
-    """One arm/seed in a worker process (:func:`run_units` gives it one torch thread; the data
-    already exist)."""
-    runner = Runner(name, p, root, backend, torch.device(device), progress=False)
-    return runner.run(ARMS[arm], seed), runner.computed
+@dataclass
+class OrbitsStudy(Study):
+    """``lssar orbits``: one unit per (arm, seed), seeds outermost, each run by this process's
+    :class:`Runner` (a worker makes its own on the dataset the main process prepared); the report
+    (:mod:`.report`) gets every run's result and the stages computed now."""
+
+    name: str
+    p: Preset
+    arms: list[str]
+    seeds: list[int]
+    runs: Path
+    out: Path
+    backend: str
+    device: str
+    progress: bool  # inside a unit: bars per stage (one unit at a time only)
+    _runner: Runner | None = field(default=None, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:  # a worker builds its own runner
+        return self.__dict__ | {"_runner": None}
+
+    def runner(self) -> Runner:
+        if self._runner is None:
+            device = torch.device(self.device)
+            self._runner = Runner(self.p, self.runs, self.backend, device, self.progress)
+        return self._runner
+
+    def units(self) -> list[tuple[Any, ...]]:
+        return [(a, s) for s in self.seeds for a in self.arms]
+
+    def run_unit(self, arm: str, seed: int) -> tuple[dict[str, Any], list[str]]:
+        """One arm/seed's result and the stages computed for it now."""
+        runner = self.runner()
+        start = len(runner.computed)
+        return runner.run(ARMS[arm], seed), runner.computed[start:]
+
+    def write_report(self, results: list[Any], seconds: float) -> Path:
+        from lssar.studies.orbits.report import write_report
+
+        return write_report(
+            self.name,
+            self.p,
+            [res for res, _ in results],
+            self.out,
+            seconds,
+            self.runner().data.info,
+            environment(self.device, sr_backends=symreg.installed_backends()),
+            [c for _, computed in results for c in computed],
+        )
 
 
-def run_experiment(
+def run_study(
     preset: str = "quick",
     arms: list[str] | None = None,
     seeds: list[int] | None = None,
-    out: str | os.PathLike = ".",
+    runs: str | os.PathLike | None = None,
+    out: str | os.PathLike | None = None,
     overrides: dict[str, Any] | None = None,
     fmt: str | None = None,
     backend: str = "auto",
     progress: bool = True,
     jobs: int | None = None,
 ) -> dict[str, Any]:
-    """Run (or reuse) every arm x seed of ``preset`` under ``out`` and write the report.
+    """Run (or reuse) every arm x seed of ``preset`` in ``runs`` (default
+    ``runs/orbits-<preset>``, the dataset in its ``data/``) and write the report to ``out``
+    (default ``reports/orbits-<preset>-<date>``).
 
     ``jobs`` (default: the preset's) runs that many arm/seed runs at once in worker processes
     with one torch thread each; results do not depend on it. Returns ``{"report": Path,
     "results": [...], "computed": [stages computed now], "seconds": float}``."""
     from tqdm import tqdm
-
-    from lssar.studies.orbits.report import write_report
 
     t0 = time.perf_counter()
     p = resolve_preset(preset, overrides, fmt)
@@ -413,51 +460,33 @@ def run_experiment(
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     backend = symreg._resolve_backend(backend)  # fail before training if SR cannot run
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if p.device == "auto" else p.device
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if p.device == "auto" else p.device
+    runs = Path(runs or f"runs/orbits-{preset}")
+    out = Path(out or f"reports/orbits-{preset}-{dt.date.today().isoformat()}")
+    study = OrbitsStudy(preset, p, arms, seeds, runs, out, backend, device, progress and jobs == 1)
+    study.runner()  # makes the data, once, before any worker
+    bar = tqdm(
+        total=len(study.units()), desc=f"orbits {preset}", disable=not progress, dynamic_ncols=True
     )
-    root = Path(out)
-    runner = Runner(preset, p, root, backend, device, progress and jobs == 1)  # makes the data
-    todo = [(a, s) for s in seeds for a in arms]
-    bar = tqdm(total=len(todo), desc=f"orbits {preset}", disable=not progress, dynamic_ncols=True)
-
-    def here(*job: Any) -> tuple[dict[str, Any], list[str]]:  # in this process, its runner
-        start = len(runner.computed)
-        return runner.run(ARMS[job[-2]], job[-1]), runner.computed[start:]
-
-    jobs = min(jobs, len(todo))
-    work = [(preset, p, root, backend, str(device), a, s) for a, s in todo]
-    done = run_units(_run_job if jobs > 1 else here, work, jobs, lambda i, r: bar.update())
+    done = study.run(jobs, lambda i, r: bar.update())
     bar.close()
-    results = [res for res, _ in done]
-    if jobs > 1:
-        runner.computed += [c for _, computed in done for c in computed]
-    seconds = time.perf_counter() - t0
-    report = write_report(
-        preset,
-        p,
-        results,
-        root / "reports" / f"orbits-{preset}-{dt.date.today().isoformat()}",
-        seconds,
-        runner.data.info,
-        environment(device, sr_backends=symreg.installed_backends()),
-        runner.computed,
-    )
-    return {"report": report, "results": results, "computed": runner.computed, "seconds": seconds}
+    return {
+        "report": done.report,
+        "results": [res for res, _ in done.results],
+        "computed": [c for _, computed in done.results for c in computed],
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="lssar orbits",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = study_parser(
+        "lssar orbits",
+        __doc__,
+        PRESETS,
+        ARMS,
+        runs="runs/orbits-PRESET",
+        out="reports/orbits-PRESET-DATE",
     )
-    ap.add_argument(
-        "--preset", default="quick", help="; ".join(f"{k}: {v.budget}" for k, v in PRESETS.items())
-    )
-    ap.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
-    ap.add_argument("--seeds", help="comma-separated integers, e.g. 0,1,2")
-    ap.add_argument("--out", default=".", help="root of data/, runs/ and reports/ (default .)")
     ap.add_argument("--format", choices=FORMATS, help="token format (default: the preset's)")
     ap.add_argument("--sr-backend", default="auto", help="auto | pyoperon | gplearn | pysr")
     ap.add_argument(
@@ -474,26 +503,23 @@ def cli(argv: list[str]) -> int:
         metavar="KEY=VALUE",
         help="override a preset field (e.g. pretrain_steps=100, data.n_systems=500)",
     )
-    ap.add_argument(
-        "--jobs",
-        type=int,
-        help="arm/seed runs in parallel processes (default: the preset's; cpu: 2)",
-    )
-    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    arms, seeds = study_args(args)
+    if args.out is not None and args.runs is None:
+        print(
+            "note: --out is the report directory, as in the other studies (it was the root of "
+            f"data/, runs/ and reports/); the runs go to runs/orbits-{args.preset} (--runs)",
+            file=sys.stderr,
+        )
     overrides = parse_set(args.set)
-    try:
-        seeds = None if args.seeds is None else [int(s) for s in args.seeds.split(",") if s]
-    except ValueError:
-        raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
-    arms = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
     try:
-        out = run_experiment(
+        out = run_study(
             args.preset,
             arms,
             seeds,
+            args.runs,
             args.out,
             overrides,
             args.format,
