@@ -66,12 +66,13 @@ def _assert_clean(rows: list[dict], report: str) -> None:
 
 def test_reduced_grid_covers_every_kernel_and_arch(reduced):
     rows, _ = reduced
-    assert {r["kernel"] for r in rows} == {"fwd", "rows", "dq", "dkdv", "decode1", "decode2"}
+    kernels = {"fwd", "fwd-train", "rows", "dq", "dkdv", "decode1", "decode2"}
+    assert {r["kernel"] for r in rows} == kernels
     assert {r["arch"] for r in rows} == {80, 90}
     assert all(r["kept"] for r in rows)
-    # the default backward (dq fused into dk/dv): forward, row coefficients, dk/dv; the
-    # deterministic one adds the dq kernel
-    default = {"fwd", "rows", "dkdv"}
+    # LSSAR's inference forward, its forward for a backward (F_i folded in), and the default
+    # backward (dq fused into dk/dv): row coefficients, dk/dv; the deterministic one adds dq
+    default = {"fwd", "fwd-train", "rows", "dkdv"}
     # key spans with sinks (HAS_SPANS, HAS_SINKS): every kernel, both archs
     assert {(r["kernel"], r["arch"]) for r in rows if r["spans"] == "sinks"} == {
         (k, a) for k in default for a in (80, 90)
@@ -87,10 +88,12 @@ def test_reduced_grid_covers_every_kernel_and_arch(reduced):
 
 def test_precise_option_reaches_the_kernels(tmp_path):
     # a case's precise is the host's option: SPLIT in every half-precision launch it records
+    # with a matrix product (the rows kernel has none: per-row coefficients only)
     out = _run_json(
         tmp_path,
         "print(json.dumps({str(p): sorted({ln.kwargs['SPLIT'] for ln in cc.launches("
-        "cc.Case(128, 'bf16', True, 'lssar', False, precise=p))}) for p in (True, False)}))",
+        "cc.Case(128, 'bf16', True, 'lssar', False, precise=p)) if ln.name != 'rows'})"
+        " for p in (True, False)}))",
     )
     assert out == {"True": [True], "False": [False]}
 
@@ -158,7 +161,10 @@ def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
     for mode in ("False", "True"):
         assert not res[mode]["problems"], res[mode]["problems"]
         assert {(r["kernel"], r["arch"]) for r in res[mode]["rows"]} == {
-            (k, a) for k in ("fwd", "rows", "dkdv") for a in (80, 90)
+            # fp32 keeps the dq kernel (the fused dq spilled in its FMA-unit dk/dv tiles)
+            (k, a)
+            for k in ("fwd", "fwd-train", "rows", "dq", "dkdv")
+            for a in (80, 90)
         }
     for r in res["False"]["rows"]:
         assert r["hmma"] == r["hgmma"] == 0, r
@@ -227,6 +233,22 @@ def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
     assert kept(128, split=True) == set()  # spilled 4-12 B with the hi + lo products
     assert kept(256) == set()
     assert kept(64, torch.float32, ieee=True) == kept(64, torch.float32) == set()  # IEEE, TF32
+
+
+def test_decode_full_tile_output_pass_keeps_only_the_8_warp_config():
+    # the output pass (PASS=2) of a full decode tile (64 rows x head dim 128) spilled on 4 warps
+    # and in 64-key blocks; smaller tiles and the LSSAR score pass keep the 4-warp configs
+    from lssar.ops.triton import decode as DEC
+    from lssar.ops.triton.compile_check import _config_label
+
+    def kept(bm, bd, step):
+        kw = dict(BM=bm, BD=bd, BDV=bd, PASS=step)
+        return {_config_label(c, kw) for c in DEC._prune(DEC.decode_tuned.configs, {}, **kw)}
+
+    assert kept(64, 128, 2) == {"64x32 w8 s2"} and kept(32, 256, 2) == {"32x32 w8 s2"}
+    assert kept(64, 128, 1) == {"64x64 w4 s2", "64x64 w4 s3", "64x32 w4 s3"}
+    assert kept(16, 128, 2) == {"16x64 w4 s2", "16x64 w4 s3", "16x32 w4 s3"}
+    assert "16x128 w4 s2" in kept(16, 64, 2)
 
 
 def test_unpipelined_row_tile_is_only_a_fallback():

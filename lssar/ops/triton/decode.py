@@ -43,6 +43,9 @@ from lssar.ops.triton.kernels import (
 
 MAX_ROWS = 64  # packed query rows (G T_q) per program: q and the accumulator stay in registers
 MAX_BN = 128  # the largest key block of the configs: slices are multiples of it
+# the largest packed rows x padded head dim per program: q in registers and the fp32
+# accumulator of a 64 x 128 (or 32 x 256) tile (compile_check's decode cases)
+MAX_ROW_ELEMENTS = 64 * 128
 
 
 @triton.jit
@@ -204,15 +207,21 @@ def decode_kernel(
 def _configs() -> list[triton.Config]:
     return [
         triton.Config({"BN": bn}, num_warps=w, num_stages=s, maxnreg=MAXNREG)
-        for bn, w, s in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (32, 4, 3)]
+        for bn, w, s in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (32, 4, 3), (32, 8, 2)]
     ]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """128-key blocks only up to head dim 64 (at 128 the LSSAR output pass spilled 24-112 B on
-    sm_80 / sm_90 with 16 rows; compile_check)."""
-    wide = max(kwargs["BD"], kwargs["BDV"]) > 64
-    return [c for c in configs if not (wide and c.kwargs["BN"] > 64)] or configs[:1]
+    """Four warps; 128-key blocks only up to head dim 64 (at 128 the LSSAR output pass spilled
+    24-112 B on sm_80 / sm_90 with 16 rows). A full tile (rows x head dim =
+    :data:`MAX_ROW_ELEMENTS`) in the output pass (``PASS=2``) takes the one 8-warp config, 32-key
+    blocks: at 64 rows, head dim 128 the LSSAR pass spilled 112-672 B in every 64-key block (8
+    warps too) and the LSSA pass with a mask 40 B in 32-key blocks on 4 warps (255 registers);
+    on 8 warps 190-226 registers, no spill (compile_check, sm_80 and sm_90)."""
+    dim = max(kwargs["BD"], kwargs["BDV"])
+    if kwargs["PASS"] == 2 and kwargs["BM"] * dim >= MAX_ROW_ELEMENTS:
+        return [c for c in configs if c.num_warps == 8]
+    return [c for c in configs if c.num_warps == 4 and not (dim > 64 and c.kwargs["BN"] > 64)]
 
 
 decode_tuned = triton.autotune(
@@ -225,11 +234,6 @@ decode_tuned = triton.autotune(
 def rows_per_program(g: int, t_q: int) -> int:
     """``BM``: the packed rows ``G T_q`` rounded up to a power of two, at least 16 (``tl.dot``)."""
     return max(16, triton.next_power_of_2(g * t_q))
-
-
-# the largest packed rows x padded head dim per program: q in registers and the fp32
-# accumulator of a 64 x 128 (or 32 x 256) tile (compile_check's decode cases)
-MAX_ROW_ELEMENTS = 64 * 128
 
 
 def applies(query: Tensor, key: Tensor, value: Tensor, spans: object) -> bool:
