@@ -54,7 +54,7 @@ DECODE_HEADS, DECODE_GROUP = 32, 4  # query heads, query heads per kv head (8 kv
 SECONDS_PER_CELL = 3.0
 SECONDS_PER_AUTOTUNE = 20.0
 QUICK = ["SDPA", "FA2-style", "lssa triton fast", "lssar p=15 triton"]  # --quick's rows
-TARGETS = {  # issue 39's targets, x FA2-style (the projection's unit; not asserted)
+TARGETS = {  # the projection's targets, x FA2-style (the projection's unit; not asserted)
     ("lssa triton fast", "fwd"): 0.9,
     ("lssar p=15 triton fast", "fwd"): 0.55,
     ("lssar p=15 triton fast", "fwd+bwd"): 0.5,

@@ -163,9 +163,9 @@ MEASURED_SPILLS: dict[tuple, frozenset[str]] = {
     ("dq", 256, "ieee", 16, 16, 4, 2): frozenset({PLAIN, MASK}),  # 8-20 B; 0 with sinks
     ("dq", 128, "ieee", 16, 16, 4, 2): frozenset({MASK}),  # 28-52 B at 255 registers
     # 8-20 B sm_80, lssar bf16 with a mask, at 255 registers (0 on sm_90), from the full grid's
-    # kept-only check; since issue 39 also without (8 B): SPILL_ARCHS
+    # kept-only check; since dq was fused into dk/dv also without (8 B): SPILL_ARCHS
     ("fwd", 64, "half", 64, 64, 8, 2): ANYWHERE,
-    # issue 39 (the reduced grid, kept-only): dk/dv with the fused dq at head dim 128, 16-152 B
+    # the reduced grid, kept-only (2026-12-04): dk/dv with the fused dq at head dim 128, 16-152 B
     # on sm_80 and sm_90 (lssa, lssar; fast, precise, a mask, sinks); the LSSAR training
     # forward (FOLD_F: "fwd-train", looked up for those launches) at head dim 64, 20-304 B
     ("dkdv", 128, "half", 32, 32, 4, 2): ANYWHERE,
@@ -232,7 +232,7 @@ def device_arch() -> int | None:
 # sm_90 where measured without spills, per (kernel, BM, BN, num_warps, num_stages) -> the
 # (padded head dim, LSSAR, precise, FOLD_F) launches, half precision, neither mask nor spans;
 # 128x64 and 128x128 nowhere else, 128x32 also where the estimates keep it (it predates these
-# lists). Measured by compile_check on sm_90, bf16, causal (benchmarks/RESULTS.md, issue 39;
+# lists). Measured by compile_check on sm_90, bf16, causal (docs/history/RESULTS.md, 2026-12-04;
 # the spilling ones: 128x64 for lssa precise at 128 (64 B), lssar precise at 128 (80 B) and
 # every LSSAR training forward at 64 and 128 (8-1428 B); 128x128 for every LSSAR launch and
 # lssa precise (84-4408 B); 128x32 for the LSSAR training forward precise (24-352 B)). Not
@@ -259,7 +259,7 @@ MEASURED_WGMMA_ROWS: dict[tuple, frozenset[tuple[int, bool, bool, bool]]] = {
 # with a mask). Spills of the others, B on sm_80 / sm_90: at 128, 16x64 w4 s2: 0 / 120-288,
 # one-grad 32x64 w4 s2: 0 / 8 and 32x128 w8 s2: 4 / 0 (fp16 mask); at 64, both gradients (not
 # in the config list): 32x64 w4 s2: 16 / 0 (fp16 mask), 32x128 w8 s2: 24 / 0 (lssa mask).
-# Since issue 39 (dq fused into dk/dv with atomics by default; dq as k^T dS^T in these tiles),
+# Since dq was fused into dk/dv (atomics by default; dq as k^T dS^T in these tiles),
 # per precision: {precise (SPLIT): largest head dim}, remeasured on sm_90 (bf16, causal, lssa
 # and lssar): one-grad 16x64 w4 s2 at 128 spilled 4-12 B with precise=True only; both
 # gradients, 32 query rows (32x64 w4 s2, 32x128 w8 s2: new in the list) clean at 64 with
@@ -467,7 +467,7 @@ _ROW_CONFIGS = _configs(
 # reaches without spilling: 64x64 with 4 or 8 warps, 24 B - 1.4 KB on sm_90): key-major scores
 # (KEY_MAJOR: k q^T and v dO^T, M = BN = 64 per warpgroup, any BM), and one gradient per program
 # (ONE_GRAD: dk and dv programs, one fp32 accumulator each, S recomputed by both), kept where
-# MEASURED_WGMMA_DKDV says; see benchmarks/RESULTS.md.
+# MEASURED_WGMMA_DKDV says; see docs/history/RESULTS.md.
 _COL_CONFIGS = _configs(
     [
         (32, 64, 8, 2),
