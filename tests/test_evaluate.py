@@ -17,7 +17,7 @@ from lssar.ops.variants import VARIANTS
 from lssar.spec import AttentionSpec
 from lssar.studies import common
 from lssar.studies.labels import label_of
-from lssar.studies.lm import evaluate, presets
+from lssar.studies.lm import evaluate, presets, verdicts
 from lssar.studies.lm import passkey as pk
 from lssar.studies.lm import report as reproduce_report
 from lssar.studies.lm import study as lm_study
@@ -752,6 +752,16 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     context = text.split("## Does each arm use the context beyond L?")[1].split("\n## ")[0]
     assert "| lssar p=15 | lssar p=15 - lssar p=15, own window |" in context
     assert "### The copy probe" in context and "| softmax + alibi | " in context
+    # by quarter of the 2x window: the first L positions (Q1, Q2) see at most L keys either way
+    assert "### Where in the longest window (2x)" in context
+    assert "| arm | a - b | Q1 | Q2 | Q3 | Q4 |" in context
+    groups = {label: rs for label, rs in by_label.items() if label != "softmax, sliding window 96"}
+    full_q, own_q = verdicts.by_quarter_of(groups), verdicts.by_quarter_of(groups, own=True)
+    assert set(full_q) == set(own_q) == set(groups)
+    for label in full_q:
+        for q in (1, 2):
+            assert full_q[label][q] == pytest.approx(own_q[label][q], abs=1e-4), label
+        assert full_q[label][4] != own_q[label][4]
     assert "LSSAR uses context beyond L (full context beats its own L-key window at 2x)" in text
     assert "LSSAR copies from beyond L (copy probe, 2x L back" in text
     assert sum("passkey" in r for r in results) == 4  # softmax and its window control, 2 seeds

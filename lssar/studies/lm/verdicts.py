@@ -118,6 +118,28 @@ def own_window_of(groups, multiples) -> dict[str, dict[int, Seeds]]:
     }
 
 
+QUARTERS = (1, 2, 3, 4)
+
+
+def by_quarter_of(groups, own: bool = False) -> dict[str, dict[int, Seeds]]:
+    """label -> quarter (1..4) -> seed -> the mean loss over that quarter of the positions in the
+    longest window (its ``loss_by_position`` buckets), with full context or with the arm's own
+    L-key window (``own``); the arms whose every result has the own-window control."""
+    out = {}
+    for label, rs in groups.items():
+        if not all(r.get("own_window") for r in rs):
+            continue
+        out[label] = {}
+        for q in QUARTERS:
+            out[label][q] = {}
+            for r in rs:
+                pp = (r["own_window"] if own else r)["loss_by_position"]
+                n = len(pp)
+                part = pp[(q - 1) * n // 4 : q * n // 4]
+                out[label][q][r["config"]["seed"]] = sum(part) / len(part)
+    return out
+
+
 def copy_of(groups, own: bool = False, which: str = "second") -> dict[str, dict[int, Seeds]]:
     """label -> distance / L -> seed -> the copy probe's loss on the ``which`` copy (``"first"``
     or ``"second"``), with the result's own attention span, or with its own L-key window
@@ -326,9 +348,12 @@ def _lookup(losses: dict[str, Any], key: str) -> str | None:
     return find_label(losses, f"{key} n=")
 
 
-def diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="question") -> list[str]:
+def diff_table(
+    losses, multiples, rows: list[tuple[str, str, str]], head="question", column="{}x"
+) -> list[str]:
+    """Paired a - b for each row at each of ``multiples`` (the columns, named by ``column``)."""
     out = [
-        f"| {head} | a - b | " + " | ".join(f"{m}x" for m in multiples) + " |",
+        f"| {head} | a - b | " + " | ".join(column.format(m) for m in multiples) + " |",
         "|---" * (len(multiples) + 2) + "|",
     ]
     for question, a, b in rows:
@@ -376,6 +401,20 @@ def context_lines(groups, losses, multiples) -> list[str]:
         table = {**{a: losses[a] for a in own}, **{f"{a}{OWN}": v for a, v in own.items()}}
         rows = [(a, a, f"{a}{OWN}") for a in own]
         lines += [*diff_table(table, past, rows, head="arm"), ""]
+        full_q, own_q = by_quarter_of(groups), by_quarter_of(groups, own=True)
+        top = max(multiples)
+        table = {**full_q, **{f"{a}{OWN}": v for a, v in own_q.items()}}
+        lines += [
+            f"### Where in the longest window ({top}x)",
+            "",
+            f"Full context - own window over each quarter of the positions of the {top}x windows "
+            f"(the same windows). The first L positions (1/{top} of the window) see at most L "
+            "keys either way, so they cannot differ; a difference that grows along the window is "
+            "the far keys' effect growing with their number. Exploratory.",
+            "",
+            *diff_table(table, QUARTERS, rows, head="arm", column="Q{}"),
+            "",
+        ]
     if copied:
         c0 = r0.get("copy") or {}
         lines += [
