@@ -166,7 +166,9 @@ def quantity(report: Path, expr: str) -> Interval:
     return mean_ci(values(report, expr))
 
 
-def _tost_problem(report: Path, expr: str, margin: float, text: str, said: str | None) -> str | None:
+def _tost_problem(
+    report: Path, expr: str, margin: float, text: str, said: str | None
+) -> str | None:
     """None when ``text`` ("lo to hi") is TOST's 90% interval of the expression's values against
     ``margin`` and ``said`` ("equivalent" / "not equivalent") is its outcome."""
     eq = tost(values(report, expr), margin=margin)

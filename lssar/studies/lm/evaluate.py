@@ -289,9 +289,7 @@ def context_use(
     distances = copy_distances(train_len, multiples)
     if not distances:
         return out
-    probe = dict(
-        n=copy_probes, segment=min(COPY_SEGMENT, train_len), seed=0, progress=progress
-    )
+    probe = dict(n=copy_probes, segment=min(COPY_SEGMENT, train_len), seed=0, progress=progress)
     lm = _rows_at_a_time(model)
     out["copy"] = copy_probe(lm, val, distances, window=window, **probe)
     if window is None or window > train_len:
@@ -433,7 +431,9 @@ def evaluate_run(
     result.update(loss_vs_length(model, val, train_len, multiples, eval_tokens, progress, window))
     if context:
         result.update(
-            context_use(model, val, train_len, multiples, eval_tokens, window, copy_probes, progress)
+            context_use(
+                model, val, train_len, multiples, eval_tokens, window, copy_probes, progress
+            )
         )
     if diagnostics:
         result["diagnostics"] = attention_diagnostics(

@@ -150,9 +150,7 @@ def copy_of(groups, own: bool = False, which: str = "second") -> dict[str, dict[
         if not all(cs):
             continue
         out[label] = {
-            int(d) // rs[0]["train_len"]: {
-                r["config"]["seed"]: c[which][d] for r, c in zip(rs, cs)
-            }
+            int(d) // rs[0]["train_len"]: {r["config"]["seed"]: c[which][d] for r, c in zip(rs, cs)}
             for d in cs[0][which]
         }
     return out
