@@ -3,7 +3,10 @@
 For each (variant, impl, T, dtype): forward time, forward+backward time and peak extra memory
 (resident set growth, Linux ``VmHWM`` reset per measurement), with the ratio to SDPA softmax
 measured in the same run; the cases are interleaved round by round, so a slow spell of a shared
-machine hits them alike. A last row times the GEMMs alone (the floor of any fused causal kernel).
+machine hits them alike. A last row times SDPA's GEMMs alone, as BLAS tiles (no element-wise work).
+``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine
+shared with other jobs (time slices taken away, not work added) it is the steadier measure with
+one thread; with more it sums the threads' time (the work, not the latency).
 The ALiBi rows (``+alibi``: softmax with ALiBi's bias, the standard slopes of H heads) show what
 the SDPA path's query blocks cost against plain SDPA softmax and the materialised reference. The
 packed rows (documents of 512 tokens, ``cu_seqlens``) and window rows (512 keys, ``window=(511,
@@ -14,6 +17,7 @@ Prints a Markdown table and the machine, threads and torch version.
     python benchmarks/attention.py --quick         # T = 1K, 2K, fp32 (a minute)
     python benchmarks/attention.py --lengths 4096 --dtypes fp32 --out table.md
     python benchmarks/attention.py --threads 1     # one core: steadier ratios on a busy VM
+    python benchmarks/attention.py --threads 1 --clock cpu --lengths 4096 --repeats 7
     python benchmarks/attention.py --cases ALiBi --lengths 4096 16384   # SDPA + the ALiBi rows
     python benchmarks/attention.py --cases packed window --lengths 4096 16384 --dtypes fp32
 
@@ -26,7 +30,6 @@ import argparse
 import ctypes
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +40,7 @@ import torch
 import lssar
 from lssar.ops.cpu_kernel import build_isa
 from lssar.positions import alibi_slopes
+from lssar.runio import cpu_info
 
 CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax (SDPA)", "softmax", "sdpa"),
@@ -56,7 +60,7 @@ CASES = [  # (label, variant, impl); the first is the baseline of the ratios
     ("softmax (SDPA), window 512", "softmax", "sdpa+window"),
     ("lssar p=15 cpu, window 512", "lssar", "cpu+window"),
     ("lssar p=15 chunked, window 512", "lssar", "chunked+window"),
-    ("QK^T and PV GEMMs only (floor)", None, "gemm"),
+    ("QK^T and PV GEMMs only (BLAS tiles)", None, "gemm"),
 ]
 SPAN = 512  # the packed rows' document length and the window's keys
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,16 +93,21 @@ def peak_mib(fn) -> float:
     return max((_rss_kib("VmHWM:") - base) / 1024, 0.0)
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter  # set from --clock
+
+
 def seconds(fn) -> float:
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
-def gemm_floor(q, k, v, rows: int = 256, keys: int = 512) -> None:
-    """The GEMMs alone, tiled as the fused LSSA forward (256 query rows x 512 keys, causal
-    blocks): per tile S = Q K^T, then O += S V, into preallocated buffers. The arithmetic every
-    such kernel does, with nothing elementwise."""
+def blas_gemms(q, k, v, rows: int = 256, keys: int = 512) -> None:
+    """The GEMMs alone as BLAS computes them in tiles of 256 query rows x 512 keys (causal
+    blocks), as SDPA's CPU flash kernel does: per tile S = Q K^T, then O += S V, into
+    preallocated buffers, nothing element-wise. The fused kernel computes its products with its
+    own micro-kernels (no per-tile packing), so this is SDPA's GEMM time, not a floor of it."""
     t, dv = q.shape[-2], v.shape[-1]
     sbuf, obuf = q.new_empty(rows * keys), q.new_empty(rows * dv)
     for qh, kh, vh in zip(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)):
@@ -114,7 +123,7 @@ def gemm_floor(q, k, v, rows: int = 256, keys: int = 512) -> None:
 def case_fns(variant: str, impl: str, q, k, v):
     """(forward, forward+backward) callables for one case on shared inputs."""
     if impl == "gemm":
-        return (lambda: gemm_floor(q, k, v)), None
+        return (lambda: blas_gemms(q, k, v)), None
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     impl, _, extra = impl.partition("+")
     t = q.shape[2]
@@ -168,21 +177,28 @@ def run_length(cases, t: int, dtype: torch.dtype, args) -> dict[str, dict]:
     return out
 
 
+# the CPU flags the numbers depend on: vector ISA, native bf16 / fp16 (AVX-512 BF16, AMX)
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
 def machine() -> str:
-    """CPU model, cores, vector ISA torch runs and the one the kernel is built for, torch
-    version, threads, python."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
+    """CPU model, cores, the flags of :data:`FLAGS` it has, vector ISA torch runs and the one
+    the kernel is built for, torch version, threads, clock, python."""
+    info = cpu_info()
+    cpu, flags = info["cpu_model"], set(info["cpu_flags"].split())
     return (
-        f"{cpu}; {os.cpu_count()} cores; {torch.backends.cpu.get_cpu_capability()} "
+        f"{cpu}; {os.cpu_count()} cores; flags {' '.join(f for f in FLAGS if f in flags) or '?'}"
+        f"; {torch.backends.cpu.get_cpu_capability()} "
         f"(cpu kernel built for {build_isa() or 'portable code'}); "
         f"torch {torch.__version__}; threads {torch.get_num_threads()}; "
-        f"python {sys.version.split()[0]}"
+        f"clock {'cpu' if clock is time.process_time else 'wall'}; python {sys.version.split()[0]}"
     )
+
+
+def set_clock(name: str) -> None:
+    """Time with ``name`` (:data:`CLOCKS`) from now on."""
+    global clock
+    clock = CLOCKS[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--clock", choices=list(CLOCKS), default="wall", help="wall time or process CPU time"
+    )
     ap.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     ap.add_argument(
         "--cases",
@@ -211,14 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_clock(args.clock)
     if args.quick:
         args.lengths, args.dtypes, args.repeats = [1024, 2048], ["fp32"], 2
 
     header = (
         f"B={args.batch} H={args.heads} D={args.head_dim}, causal. Times are medians of "
         f"{args.repeats} rounds, every case once per round; memory = peak resident growth of "
-        "one call; ratio = time / SDPA softmax time in the same run and dtype. The GEMM floor "
-        "times QK^T and PV alone, tiled as the fused LSSA forward (256 rows x 512 keys)."
+        "one call; ratio = time / SDPA softmax time in the same run and dtype. The BLAS tiles row "
+        "times QK^T and PV alone as SDPA computes them (256 rows x 512 keys)."
         "\n\nMachine: " + machine()
     )
     rows = [

@@ -5,9 +5,12 @@ decoding) against a cache of ``T_k`` keys (1K, 2K, 4K, ... up to ``--max-cache``
 (bottom-right aligned), B=1 H=8 D=64. For each attention x implementation the median time of
 one step (ms), its ratio to SDPA softmax measured in the same run (the cases are interleaved
 round by round, so a slow spell of a shared machine hits them alike) and the peak extra memory
-of one step. Without a gradient to record, ``cpu`` runs a float32 step on the fused kernel's
-decode entry (each key normalised as it is read, the cache read in place); bf16 runs its
-prefill path on an upcast, normalised copy.
+of one step. Without a gradient to record, ``cpu`` runs a step on the fused kernel's decode
+entry (the cache read in place, bf16 / fp16 converted in registers; the keys normalised as they
+are read, or, in the "cached key norms" rows, read from ``key_norms`` as a KV cache keeps them).
+Beside each step, the time to read its K and V once (``read K and V once``, a sum over their
+bytes: the memory-bandwidth floor of a step) and each case's ``floor / time``, the fraction of
+that limit it reaches. ``--clock cpu`` times with process CPU time (see benchmarks/attention.py).
 
 Table 2 (``generate()``): the project's GPT (a preset's shape, random init) with softmax, lssa
 and lssar p=15, and an HF Llama (a ``LlamaConfig`` of the same shape, random init, no download)
@@ -19,6 +22,7 @@ rest, per token, sampling included) come from the same call.
     python benchmarks/decode.py                         # T_k = 1K..64K, T_q = 1 and 8, fp32
     python benchmarks/decode.py --quick                 # tiny (tests/test_benchmarks.py)
     python benchmarks/decode.py --max-cache 16384 --threads 1
+    python benchmarks/decode.py --tables step --tq 1 --lengths 4096 65536 --threads 1 --clock cpu
     python benchmarks/decode.py --tables step --tq 1 --impls sdpa cpu --padding
     python benchmarks/decode.py --tables generate --prompts 1024 4096
 
@@ -41,8 +45,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import attention as base  # benchmarks/ is on sys.path when run as a script
 import torch
-from attention import machine, peak_mib  # benchmarks/ is on sys.path when run as a script
+from attention import CLOCKS, machine, peak_mib, set_clock
 
 import lssar
 from lssar.model import GPT
@@ -55,6 +60,8 @@ CPU_CASES = [
     ("softmax-qknorm-logn (SDPA)", "softmax-qknorm-logn", "sdpa"),
     ("lssa cpu (fused C++)", "lssa", "cpu"),
     ("lssar p=15 cpu (fused C++)", "lssar", "cpu"),
+    ("lssa cpu, cached key norms", "lssa", "cpu+norms"),
+    ("lssar p=15 cpu, cached key norms", "lssar", "cpu+norms"),
     ("lssa chunked", "lssa", "chunked"),
     ("lssar p=15 chunked", "lssar", "chunked"),
     ("lssa reference", "lssa", "reference"),
@@ -91,10 +98,10 @@ def _sync(device: str) -> None:
 def timed(fn: Callable[[], object], device: str) -> float:
     """Seconds of one call of ``fn`` (GPU work included)."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = base.clock()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return base.clock() - t0
 
 
 def peak(fn: Callable[[], object], device: str) -> float:
@@ -109,10 +116,20 @@ def peak(fn: Callable[[], object], device: str) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+FLOOR = "read K and V once (floor)"
+
+
+def read_once(k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
+    """A sum over the bytes of K and V (as float32 words: one vectorised read each, whatever
+    their dtype): the memory-bandwidth floor of a step that reads its cache once."""
+    words = [t.view(torch.float32) if t.element_size() < 4 else t for t in (k, v)]
+    return lambda: [w.sum() for w in words]
+
+
 def runs_on(variant: str, impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
     """The implementation that really runs the case (auto's pick; the cpu kernel or its
     eager fallback)."""
-    name = registry.resolve(variant, impl, q, k, 0.0, {}).impl
+    name = registry.resolve(variant, impl.partition("+")[0], q, k, 0.0, {}).impl
     if name == "cpu" and q.dtype != torch.float64:
         from lssar.ops.cpu_kernel import kernel
 
@@ -127,10 +144,17 @@ def runs_on(variant: str, impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
 
 
 def step_fn(variant: str, impl: str, q, k, v, mask) -> Callable[[], torch.Tensor]:
-    """One decode step of a case on shared inputs (no autograd)."""
+    """One decode step of a case on shared inputs (no autograd); ``+norms``: with the keys'
+    inverse norms computed beforehand, as a KV cache keeps them."""
+    impl, _, extra = impl.partition("+")
+    kw = {}
+    if extra == "norms":
+        from lssar.ops.chunked import key_inverse_norms
+
+        kw["key_norms"] = key_inverse_norms(k)
 
     def call():
-        return lssar.attention(q, k, v, mask, is_causal=True, variant=variant, impl=impl)
+        return lssar.attention(q, k, v, mask, is_causal=True, variant=variant, impl=impl, **kw)
 
     return call
 
@@ -149,6 +173,7 @@ def run_steps(cases, t_q: int, t_k: int, dtype: torch.dtype, args) -> dict[str, 
         mask[..., : t_k // 8] = False
     fns = {label: step_fn(variant, impl, q, k, v, mask) for label, variant, impl in cases}
     runs = {label: runs_on(variant, impl, q, k) for label, variant, impl in cases}
+    fns[FLOOR], runs[FLOOR] = read_once(k, v), "memory"
     times: dict[str, list[float]] = {label: [] for label in fns}
     with torch.no_grad():
         for fn in fns.values():
@@ -171,28 +196,34 @@ def run_steps(cases, t_q: int, t_k: int, dtype: torch.dtype, args) -> dict[str, 
         }
 
 
+def fraction(x: float) -> str:
+    """``x`` with two decimals, or two significant digits below 0.1 (a slow case's share of
+    the floor is small, not zero)."""
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
 def step_table(args) -> list[str]:
     cases = GPU_CASES if args.device == "cuda" else CPU_CASES
     if args.impls:
-        cases = cases[:1] + [c for c in cases[1:] if c[2].split("-")[0] in args.impls]
+        cases = cases[:1] + [c for c in cases[1:] if c[2].partition("+")[0] in args.impls]
     available = set(registry.IMPLS) | {"auto"}
-    cases = [c for c in cases if c[2] in available]
+    cases = [c for c in cases if c[2].partition("+")[0] in available]
     if args.quick:
         cases = [c for c in cases if c[2] != "flex"]
     rows = [
-        "| dtype | T_q | T_k | attention | runs | ms / step | x SDPA | MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dtype | T_q | T_k | attention | runs | ms / step | x SDPA | MiB | floor / time |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n" + "\n".join(rows), flush=True)
     for dname in args.dtypes:
         for t_q in args.tq:
             for t_k in args.lengths:
                 results = run_steps(cases, t_q, t_k, DTYPES[dname], args)
-                base = results[cases[0][0]]["ms"]
+                sdpa, floor = results[cases[0][0]]["ms"], results[FLOOR]["ms"]
                 for label, r in results.items():
                     rows.append(
                         f"| {dname} | {t_q} | {t_k} | {label} | {r['runs']} | {r['ms']:.3f} | "
-                        f"{r['ms'] / base:.2f} | {r['mib']:.0f} |"
+                        f"{r['ms'] / sdpa:.2f} | {r['mib']:.0f} | {fraction(floor / r['ms'])} |"
                     )
                     print(rows[-1], flush=True)
     return rows
@@ -332,10 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--gen-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--clock", choices=list(CLOCKS), default="wall", help="wall time or process CPU time"
+    )
     ap.add_argument("--out", type=Path, help="also write the tables to this Markdown file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_clock(args.clock)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.lengths, args.tq, args.repeats = [256], [1, 8], 1
@@ -360,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'key-padding mask (first T_k/8 keys masked), ' if args.padding else ''}"
         f"no autograd, device {args.device}. ms / step = median of {args.repeats} rounds, every "
         "case once per round in a shuffled order; x SDPA = time / SDPA softmax time in the same "
-        "run; MiB = peak extra memory of one step; runs = the implementation that ran. "
+        "run; MiB = peak extra memory of one step; runs = the implementation that ran; floor / "
+        "time = the time to read the step's K and V once over the case's time. "
         "generate(): greedy, "
         f"{args.new_tokens} new tokens, preset {args.preset} (random init; the Llama of the same "
         f"shape with {args.kv_heads} KV heads), median of {args.gen_repeats} rounds; "

@@ -3,20 +3,22 @@
 Same seed, data and optimizer for every arm; warm-up steps, then timed optimizer steps
 (forward, backward, clipping, AdamW), in fp32 and with bf16 autocast. The arms are interleaved
 round by round and the median step time is reported, so load from other processes on a shared
-machine affects every arm alike. Prints a Markdown table.
+machine affects every arm alike (``--clock cpu``: process CPU time, see benchmarks/attention.py).
+Prints a Markdown table.
 
     python benchmarks/train_throughput.py [--seq-len 256] [--steps 8] [--rounds 3]
+    python benchmarks/train_throughput.py --threads 1 --clock cpu --dtypes fp32 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
+import attention as base  # benchmarks/ is on sys.path when run as a script
 import numpy as np
 import torch
-from attention import machine  # benchmarks/ is on sys.path when run as a script
+from attention import CLOCKS, machine, set_clock
 
 from lssar.data import get_batch
 from lssar.model import GPT
@@ -50,7 +52,7 @@ def train_steps(
     bf16: bool,
 ) -> float:
     """Run optimizer steps ``start .. start+n``; return the seconds they took."""
-    t0 = time.perf_counter()
+    t0 = base.clock()
     for step in range(start, start + n):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -61,7 +63,7 @@ def train_steps(
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return base.clock() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,9 +81,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--clock", choices=list(CLOCKS), default="wall", help="wall time or process CPU time"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_clock(args.clock)
 
     tokens = np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint16)
     rows = []

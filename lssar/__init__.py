@@ -6,10 +6,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 __all__ = ["attention", "variants"]
+# The one place the version is written: pyproject.toml reads it from here (setuptools' `attr`).
 __version__ = "0.1.0"
+
+# torch is not a dependency (the user picks the CPU or CUDA build); found, not imported, here
+if importlib.util.find_spec("torch") is None:
+    raise ImportError(
+        "lssar needs PyTorch >= 2.5, which is not installed. Install the build for your machine "
+        "first: CPU `pip install torch --index-url https://download.pytorch.org/whl/cpu`, CUDA "
+        "`pip install torch` (docs/install.md)"
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,8 @@
 
 Token embedding, positions (``pos``: RoPE by default, ALiBi or none; no learned positions, no
 length cap: it runs at any length; :mod:`lssar.positions`), pre-norm blocks of attention + MLP,
-and a tied output head. The attention rule is chosen by name from ``lssar.variants()``
+and a tied output head. Each block's attention is an :class:`lssar.nn.Attention` (the module
+users put into their own models). The attention rule is chosen by name from ``lssar.variants()``
 (``attn="softmax" | "lssa" | "lssar" | ...``, options such as ``p`` in ``attn_options``); the
 model runs ``GPT.attn_spec``, an :class:`lssar.spec.AttentionSpec`, which may be switched after
 training with :meth:`GPT.set_attention` (e.g. evaluate an LSSA-trained model with re-weighting
@@ -28,20 +29,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lssar.ops.common import as_4d
-from lssar.ops.reference import attention_weights
-from lssar.ops.registry import attention, get_variant
-from lssar.ops.spans import key_spans
-from lssar.positions import ROPE_SCALINGS, RopeScaling, alibi_slopes, check_pos
+from lssar.nn import Attention, check_int, visibility
+from lssar.ops.chunked import key_inverse_norms
+from lssar.ops.registry import get_variant
+from lssar.positions import (
+    ROPE_SCALINGS,
+    RopeScaling,
+    alibi_slopes,
+    check_pos,
+    rope_cache,
+)
 from lssar.spec import AttentionSpec, check_attention
-
-SSMAX_S_INIT = 0.43  # Scalable-Softmax's per-head s at init (project choice)
-
-
-def _check_int(name: str, value: Any, alternative: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        hint = f" {alternative}" if alternative else ""
-        raise ValueError(f"{name}={value!r} must be a whole number >= 1{hint}")
 
 
 @dataclass
@@ -64,9 +62,9 @@ class GPTConfig:
         # studies): a zero, negative, non-integer or non-finite size would otherwise surface as a
         # ZeroDivisionError, a torch shape error, or a model whose loss is NaN.
         for name in ("vocab_size", "n_layer", "n_head", "n_embd"):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.n_kv_head is not None:
-            _check_int("n_kv_head", self.n_kv_head, "(or None: as many as n_head)")
+            check_int("n_kv_head", self.n_kv_head, "(or None: as many as n_head)")
         for name, ok, want in (
             ("mlp_ratio", lambda x: x > 0, "> 0, e.g. 4"),
             ("dropout", lambda x: 0 <= x < 1, "in [0, 1)"),
@@ -97,51 +95,32 @@ class GPTConfig:
         return AttentionSpec(self.attn, self.attn_options, self.attn_impl)
 
 
-def rope_cache(
-    head_dim: int,
-    positions: Tensor,
-    base: float,
-    scaling: RopeScaling | None = None,
-    train_len: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape ``(T, head_dim / 2)`` for absolute ``positions (T,)``.
+class KeyNorms:
+    """``1 / ||k_j||`` (float32) of an append-only run of keys ``(B, H_kv, T, D)``, each computed
+    once: the first time they are asked for after the key arrived (:meth:`extend`), into a
+    buffer that doubles when full. What a KV cache passes as :func:`lssar.attention`'s
+    ``key_norms``, so a decode step reads each cached key once and normalises none."""
 
-    ``scaling`` rescales the rotation of a model trained at ``train_len`` tokens for an input
-    whose largest position is ``positions.max()`` (:meth:`RopeScaling.frequencies`; its
-    attention factor multiplies cos and sin, as in transformers)."""
-    if scaling is None:
-        dims = torch.arange(0, head_dim, 2, device=positions.device).float()
-        inv = 1.0 / base ** (dims / head_dim)
-        ang = positions.float()[:, None] * inv[None, :]
-        return ang.cos(), ang.sin()
-    seq_len = int(positions.max()) + 1 if positions.numel() else 0
-    inv, factor = scaling.frequencies(head_dim, base, train_len, seq_len)
-    ang = positions.float()[:, None] * inv.to(positions.device)[None, :]
-    return ang.cos() * factor, ang.sin() * factor
+    def __init__(self) -> None:
+        self._buf: Tensor | None = None
+        self._n = 0
 
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs of ``x (B, H, T, D)`` (half-split layout, as GPT-NeoX / Llama)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.to(x.dtype)
-
-
-def visibility(
-    window: int | None = None, sink_tokens: int = 0, cu_seqlens: Tensor | None = None
-) -> dict[str, Any]:
-    """The keyword arguments of :func:`lssar.attention` for a causal ``window`` of that many
-    keys (itself included: ``window=(W - 1, 0)``), ``sink_tokens`` and ``cu_seqlens``; empty for
-    none of them, so the default call is unchanged."""
-    out: dict[str, Any] = {}
-    if window is not None:
-        _check_int("window", window, "(the keys each query sees, itself included)")
-        out["window"] = (window - 1, 0)
-    if sink_tokens:
-        out["sink_tokens"] = sink_tokens
-    if cu_seqlens is not None:
-        out["cu_seqlens"] = cu_seqlens
-    return out
+    def extend(self, keys: Tensor) -> Tensor:
+        """The inverse norms ``(B, H_kv, T)`` of ``keys``, whose first keys are the ones seen by the
+        previous call (a batch or device change starts over)."""
+        b, h, t = keys.shape[:3]
+        buf = self._buf
+        if buf is None or buf.shape[:2] != (b, h) or buf.device != keys.device or t < self._n:
+            buf, self._n = None, 0
+        if buf is None or t > buf.shape[2]:
+            grown = keys.new_empty(b, h, max(t, 2 * self._n), dtype=torch.float32)
+            if buf is not None:
+                grown[:, :, : self._n] = buf[:, :, : self._n]
+            buf = self._buf = grown
+        if self._n < t:
+            buf[:, :, self._n : t] = key_inverse_norms(keys[:, :, self._n : t].detach())
+            self._n = t
+        return buf[:, :, :t]
 
 
 class KVCache:
@@ -153,16 +132,28 @@ class KVCache:
     amortised O(new tokens), and :meth:`update` returns views of the filled part (not contiguous
     across heads; every attention implementation takes strided inputs). Under autograd, where
     an in-place write would invalidate the views a backward pass saved, it concatenates.
+    :meth:`key_norms` keeps the keys' inverse norms (:class:`KeyNorms`) for the QK-norm variants.
     """
 
     def __init__(self, n_layer: int) -> None:
         self._k: list[Tensor | None] = [None] * n_layer
         self._v: list[Tensor | None] = [None] * n_layer
         self._len = [0] * n_layer
+        self._norms = [KeyNorms() for _ in range(n_layer)]
+
+    def key_norms(self, layer: int) -> Tensor | None:
+        """``1 / ||k_j||`` of the layer's cached keys, float32 ``(B, H_kv, T_seen)``, each computed
+        once (:class:`KeyNorms`); None before the first update."""
+        k = self._k[layer]
+        return None if k is None else self._norms[layer].extend(k[:, :, : self._len[layer]])
 
     @property
     def length(self) -> int:
         return self._len[0]
+
+    def past_length(self, layer: int) -> int:
+        """Tokens cached for ``layer`` (what :class:`lssar.nn.Attention` counts positions from)."""
+        return self._len[layer]
 
     @property
     def k(self) -> list[Tensor | None]:
@@ -199,106 +190,22 @@ class KVCache:
         return self._k[layer][:, :, : n + t], self._v[layer][:, :, : n + t]
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head, self.n_kv = cfg.n_head, cfg.n_kv_head or cfg.n_head
-        self.head_dim = cfg.n_embd // cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.head_dim, bias=False)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.dropout = cfg.dropout
-        # Scalable-Softmax (and softmax-qknorm-learned) learn one s per head; the other variants
-        # have no parameters. The name stays ssmax_s so checkpoints keep their keys.
-        variant = get_variant(cfg.attn)
-        init = SSMAX_S_INIT if cfg.attn == "ssmax" else variant.options.get("s")
-        self.ssmax_s = (
-            nn.Parameter(torch.full((self.n_head,), float(init)))
-            if "s" in variant.options
-            else None
-        )
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor | None,
-        sin: Tensor | None,
-        spec: AttentionSpec,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        weights: list | None = None,
-        attn_mask: Tensor | None = None,
-        alibi: Tensor | None = None,
-        visible: dict[str, Any] | None = None,
-    ) -> Tensor:
-        """``x (B, T, C)`` -> ``(B, T, C)``; appends ``(B, H, T, T_k)`` weights if asked.
-
-        ``cos``/``sin`` rotate q and k (RoPE; None: no rotation); ``alibi`` (``(H,)`` slopes)
-        biases the scores. ``cache`` is anything with ``update(layer, k, v) -> (k, v)`` (a
-        :class:`KVCache`, or an adapter over a transformers cache); ``attn_mask`` (bool,
-        broadcastable to ``(B, H, T, T_k)``, e.g. key padding) is combined with the causal mask;
-        ``visible`` (:func:`visibility`: ``window``, ``sink_tokens``, ``cu_seqlens``) goes to
-        :func:`lssar.attention` as it is.
-        """
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim],
-            dim=-1,
-        )
-        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)
-        name, options, impl = spec.name, spec.options, spec.impl
-        if "s" in get_variant(name).options:  # the learned per-head scale
-            options = {**options, "s": self.ssmax_s}
-        gqa = self.n_kv != self.n_head
-        y = attention(
-            q,
-            k,
-            v,
-            attn_mask,
-            self.dropout if self.training else 0.0,
-            True,
-            None,
-            gqa,
-            variant=name,
-            impl=impl,
-            alibi_slopes=alibi,
-            **(visible or {}),
-            **options,
-        )
-        if weights is not None:
-            with torch.no_grad():
-                spans = None
-                mask = attn_mask
-                if visible:  # the causal rule folded in, as lssar.attention does
-                    mask = as_4d(attn_mask)
-                    spans = key_spans(t, k.shape[-2], q.device, True, mask, **visible)
-                weights.append(
-                    attention_weights(
-                        q,
-                        k,
-                        mask,
-                        spans is None,
-                        None,
-                        gqa,
-                        variant=get_variant(name),
-                        options=options,
-                        alibi_slopes=alibi,
-                        spans=spans,
-                    )
-                )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=False)
-        self.attn = Attention(cfg)
+        self.attn = Attention(
+            cfg.n_embd,
+            cfg.n_head,
+            cfg.n_kv_head,
+            variant=cfg.attn,
+            options=cfg.attn_options,
+            impl=cfg.attn_impl,
+            pos=cfg.pos,
+            rope_base=cfg.rope_base,
+            dropout=cfg.dropout,
+            layer_idx=layer_idx,
+        )
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=False)
         hidden = int(cfg.mlp_ratio * cfg.n_embd)
         self.mlp = nn.Sequential(
@@ -308,21 +215,9 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor | None,
-        sin: Tensor | None,
-        spec: AttentionSpec,
-        cache=None,
-        layer: int = 0,
-        weights: list | None = None,
-        attn_mask: Tensor | None = None,
-        alibi: Tensor | None = None,
-        visible: dict[str, Any] | None = None,
-    ) -> Tensor:
-        a = self.attn(self.ln1(x), cos, sin, spec, cache, layer, weights, attn_mask, alibi, visible)
-        x = x + a
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, **attn: Any) -> Tensor:
+        """``x (B, T, C)`` -> ``(B, T, C)``; ``attn``: :meth:`lssar.nn.Attention.forward`'s."""
+        x = x + self.attn(self.ln1(x), attn_mask, **attn)
         return x + self.mlp(self.ln2(x))
 
 
@@ -345,7 +240,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
@@ -384,6 +279,8 @@ class GPT(nn.Module):
             )
         check_pos(self.cfg.pos, spec.name)  # an ALiBi model keeps a variant it can bias
         self.attn_spec = spec
+        for block in self.blocks:
+            block.attn.core.spec = spec
 
     def set_rope_scaling(self, scaling: RopeScaling | None, train_len: int | None = None) -> None:
         """Rescale the rotation of this RoPE model, trained at ``train_len`` tokens, from now on
@@ -449,7 +346,7 @@ class GPT(nn.Module):
                 "cu_seqlens (packed documents) cannot be used with a KV cache: a cache continues "
                 "one sequence, so call without cu_seqlens (one document)"
             )
-        visible = visibility(window, sink_tokens, cu_seqlens)
+        visibility(window, sink_tokens, cu_seqlens)  # bad values fail before any layer runs
         cos = sin = alibi = None
         if self.cfg.pos == "rope":
             if positions is None:
@@ -468,8 +365,17 @@ class GPT(nn.Module):
         elif self.cfg.pos == "alibi":  # the bias follows key/query order, not position ids
             alibi = alibi_slopes(self.cfg.n_head).to(h.device)
         h = self.drop(h)
-        for i, block in enumerate(self.blocks):
-            h = block(h, cos, sin, self.attn_spec, cache, i, weights, attn_mask, alibi, visible)
+        attn = {
+            "cache": cache,
+            "rope": None if cos is None else (cos, sin),
+            "alibi_slopes": alibi,
+            "window": window,
+            "sink_tokens": sink_tokens,
+            "cu_seqlens": cu_seqlens,
+            "weights": weights,
+        }
+        for block in self.blocks:
+            h = block(h, attn_mask, **attn)
         return self.ln_f(h)
 
     def forward(

@@ -96,7 +96,7 @@ def _inv_freq(base: float, dim: int) -> Tensor:
 
 
 def trained_inv_freq(base: float, dim: int) -> Tensor:
-    """The unscaled inverse frequencies exactly as :func:`lssar.model.rope_cache` computes
+    """The unscaled inverse frequencies exactly as :func:`rope_cache` computes
     them (float32): a scaling whose ``s`` is 1 returns these, so it *is* the trained model."""
     return 1.0 / base ** (torch.arange(0, dim, 2).float() / dim)
 
@@ -219,6 +219,36 @@ class RopeScaling:
                 f"of: {', '.join(kinds)}"
             )
         return cls(kinds[rope_type], rope_parameters.get("factor"))
+
+
+def rope_cache(
+    head_dim: int,
+    positions: Tensor,
+    base: float,
+    scaling: RopeScaling | None = None,
+    train_len: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape ``(T, head_dim / 2)`` for absolute ``positions (T,)``.
+
+    ``scaling`` rescales the rotation of a model trained at ``train_len`` tokens for an input
+    whose largest position is ``positions.max()`` (:meth:`RopeScaling.frequencies`; its
+    attention factor multiplies cos and sin, as in transformers)."""
+    if scaling is None:
+        dims = torch.arange(0, head_dim, 2, device=positions.device).float()
+        inv = 1.0 / base ** (dims / head_dim)
+        ang = positions.float()[:, None] * inv[None, :]
+        return ang.cos(), ang.sin()
+    seq_len = int(positions.max()) + 1 if positions.numel() else 0
+    inv, factor = scaling.frequencies(head_dim, base, train_len, seq_len)
+    ang = positions.float()[:, None] * inv.to(positions.device)[None, :]
+    return ang.cos() * factor, ang.sin() * factor
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs of ``x (B, H, T, D)`` (half-split layout, as GPT-NeoX / Llama)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x.dtype)
 
 
 def hf_rope_parameters(scaling: RopeScaling, train_len: int, base: float) -> dict[str, Any]:

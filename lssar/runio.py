@@ -22,7 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -224,7 +226,7 @@ def child_path(parent: str | Path, name: str, what: str) -> Path:
     return Path(parent) / name
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str) -> str | None:  # in the package's directory
     try:
         r = subprocess.run(
             ["git", *args],
@@ -256,15 +258,25 @@ def project_relative(arg: str) -> str:
 
 
 # untracked files here can change results; elsewhere (new reports, notes) they cannot
-CODE_DIRS = ("lssar/", "configs/")
+CODE_DIRS = ("lssar/",)
 # what the studies write: a regenerated report (tracked or not) cannot change results
 OUTPUT_DIRS = ("reports/",)
+
+
+def in_checkout() -> bool:
+    """Whether this lssar runs from its own git checkout (an editable install, or the source
+    on ``sys.path``): not from a wheel, whose site-packages may lie inside some other repository
+    whose commit says nothing about this code."""
+    top = _git("rev-parse", "--show-toplevel")
+    return top is not None and Path(top).resolve() == PROJECT_ROOT.resolve()
 
 
 def git_dirty() -> bool | None:
     """Whether the checkout differs from its commit: any change to a tracked file outside
     :data:`OUTPUT_DIRS`, or an untracked file under :data:`CODE_DIRS`. None outside a git
     checkout."""
+    if not in_checkout():
+        return None
     status = _git("status", "--porcelain")
     if status is None:
         return None
@@ -277,12 +289,81 @@ def git_dirty() -> bool | None:
     return False
 
 
-def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, Any]:
-    """Code version (git SHA, :func:`git_dirty`), library versions, hardware and command line
-    (paths inside the project relative to it)."""
+def install_kind() -> str:
+    """How the running lssar is installed: ``"editable"`` (``pip install -e``, this source),
+    ``"wheel"`` (a built wheel in site-packages, from an index or a file) or ``"source"`` (a
+    directory on ``sys.path`` that is no installed distribution, e.g. a checkout that shadows
+    one installed elsewhere)."""
+    here = Path(__file__).resolve().parent
+    try:
+        dist = metadata.distribution("lssar")
+    except metadata.PackageNotFoundError:
+        return "source"
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")  # PEP 610
+    except ValueError:
+        direct = {}
+    if direct.get("dir_info", {}).get("editable"):
+        src = Path(urllib.parse.unquote(urllib.parse.urlparse(direct.get("url", "")).path))
+        return "editable" if (src / "lssar").resolve() == here else "source"
+    installed = Path(str(dist.locate_file("lssar/__init__.py"))).resolve()
+    return "wheel" if installed == here / "__init__.py" else "source"
+
+
+# /proc/cpuinfo flags that decide which kernels run (vector and matrix ISAs): what makes bf16 and
+# BLAS results move from host to host
+_ISA_FLAGS = ("sse", "ssse", "avx", "amx", "fma", "f16c", "vnni")
+
+
+def cpu_info() -> dict[str, Any]:
+    """``{"cpu_model", "cpu_flags"}``: the CPU's model name and its vector/matrix ISA flags
+    (sorted; from ``/proc/cpuinfo``, where there is one)."""
+    model, flags = platform.processor() or platform.machine(), []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = sorted(f for f in value.split() if f.startswith(_ISA_FLAGS))
+                break
+    return {"cpu_model": model, "cpu_flags": " ".join(flags)}
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16/AMX): else bf16 matmuls are emulated,
+    often ~100x slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # a build without oneDNN, or the private op moved
+        return False
+
+
+def auto_autocast(device: torch.device | str) -> str:
+    """What ``dtype="auto"`` resolves to on ``device``: ``"bf16"`` autocast where it is native
+    (CUDA with bf16, a CPU with AVX512-BF16/AMX), else ``"fp32"``."""
     device = torch.device(device)
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+
+
+def environment(
+    device: torch.device | str = "cpu", autocast: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """Code version (lssar's version and install kind; from a checkout the git SHA and
+    :func:`git_dirty`), library versions, hardware (:func:`cpu_info`, the device, what
+    ``dtype="auto"`` resolves to there, and ``autocast``, the dtype the caller runs under, when
+    given) and command line (paths inside the project relative to it)."""
+    import lssar
+
+    device = torch.device(device)
+    checkout = in_checkout()
+    cpu = cpu_info()
     return {
-        "git_sha": _git("rev-parse", "HEAD"),
+        "lssar": lssar.__version__,
+        "install": install_kind(),
+        "git_sha": _git("rev-parse", "HEAD") if checkout else None,
         "git_dirty": git_dirty(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -292,9 +373,12 @@ def environment(device: torch.device | str = "cpu", **extra: Any) -> dict[str, A
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device)
         if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        else cpu["cpu_model"],
+        **cpu,
         # torch's vector ISA, and the cpu kernel's build unless LSSAR_CPU_KERNEL_ISA says otherwise
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        "autocast_auto": auto_autocast(device),
+        **({"autocast": autocast} if autocast is not None else {}),
         "threads": torch.get_num_threads(),
         "argv": [project_relative(a) for a in sys.argv],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

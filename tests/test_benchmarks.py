@@ -46,8 +46,8 @@ def test_attention_benchmark_prints_every_case_with_ratios():
     assert [r[2] for r in rows] == [c[0] for c in bench.CASES]
     assert rows[0][4] == "1.00" and rows[0][6] == "1.00"  # SDPA is the baseline
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
-    assert rows[-1][5] == "-"  # the GEMM floor has no backward
-    assert "threads 1" in out
+    assert rows[-1][5] == "-"  # the GEMMs alone have no backward
+    assert "threads 1" in out and "flags " in out and "clock wall" in out
 
 
 def test_train_throughput_benchmark_prints_every_arm():
@@ -72,11 +72,13 @@ def test_decode_benchmark_prints_every_case_and_generate_arm():
     out = _run("decode.py", "--quick", "--threads", "1")
     rows = _table_rows(out)
     cases = [c[0] for c in bench.CPU_CASES if c[2] != "flex"]  # --quick leaves flex out
+    cases.append(bench.FLOOR)  # reading the step's K and V once
     steps = [r for r in rows if r[0] == "fp32"]
     assert [r[3] for r in steps] == cases * 4  # T_q = 1 and 8, as measured and in the table
     assert {(r[1], r[2]) for r in steps} == {("1", "256"), ("8", "256")}
     assert all(r[6] == "1.00" for r in steps if r[3] == cases[0])  # SDPA is the baseline
-    assert all(float(r[5]) > 0 for r in steps)
+    assert all(r[8] == "1.00" for r in steps if r[3] == bench.FLOOR)  # floor / time
+    assert all(float(r[5]) > 0 and float(r[8]) > 0 for r in steps)
     auto = next(r for r in steps if r[3] == "lssar p=15 auto")
     assert auto[4] in ("reference", "cpu", "cpu decode entry", "chunked")  # what auto picked
     gen = [r for r in rows if r[0] in ("GPT", "HF Llama")]

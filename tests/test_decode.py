@@ -451,3 +451,87 @@ def test_a_one_row_causal_step_builds_no_mask(monkeypatch):
     assert seen == [None]
     ref = lssar.attention(q, k, v, is_causal=True, variant="softmax", impl="reference")
     torch.testing.assert_close(out, ref)
+
+
+# ------------------------------------------------------------- the keys' norms, kept by a cache
+
+
+def test_kv_cache_computes_each_key_norm_once(monkeypatch):
+    """KVCache.key_norms: 1 / ||k_j|| of every cached key (0 for a zero or non-finite key), each
+    computed once, across appends and regrowth of the buffers."""
+    import lssar.model as model_mod
+    from lssar.ops.chunked import key_inverse_norms
+
+    computed = []
+    real = model_mod.key_inverse_norms
+    monkeypatch.setattr(
+        model_mod, "key_inverse_norms", lambda k: computed.append(k.shape[2]) or real(k)
+    )
+    cache = KVCache(1)
+    assert cache.key_norms(0) is None
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(2, 3, t, 8, generator=g) for t in (6, 1, 1, 9, 1)]
+    parts[1][0, 1] = 0.0  # a zero key
+    parts[3][1, 2, 4] = float("nan")  # a non-finite key
+    for i, x in enumerate(parts):
+        cache.update(0, x, x)
+        got = cache.key_norms(0)
+        again = cache.key_norms(0)  # nothing new to compute
+        keys = torch.cat(parts[: i + 1], 2)
+        torch.testing.assert_close(got, key_inverse_norms(keys), rtol=3e-7, atol=0)
+        assert torch.equal(again, got) and got.dtype == torch.float32
+    assert sum(computed) == 18  # every key once
+    assert got[0, 1, 6] == 0 and got[1, 2, 12] == 0
+
+
+def test_key_norms_are_checked():
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+    norms = torch.rand(1, 2, 5)
+    with pytest.raises(ValueError, match="does not normalise its keys"):
+        lssar.attention(q, k, k, variant="softmax", key_norms=norms)
+    with pytest.raises(ValueError, match=r"must have shape \(1, 2, 5\)"):
+        lssar.attention(q, k, k, variant="lssar", key_norms=norms[..., :4])
+    with pytest.raises(ValueError, match="must be a float32 tensor"):
+        lssar.attention(q, k, k, variant="lssar", key_norms=norms.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,opts", VARIANTS[:2])
+def test_decode_entry_reads_given_key_norms(monkeypatch, dtype, name, opts):
+    """With the cache's key_norms the decode entry normalises no key itself (it is handed the
+    norms, GQA and a zero key included) and gives the step it computes without them."""
+    from lssar.ops.chunked import key_inverse_norms
+    from lssar.ops.cpu_kernel import kernel
+
+    mod = kernel()
+    given, real = [], mod.decode
+    monkeypatch.setattr(mod, "decode", lambda *a: given.append(a[3]) or real(*a))
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 3, 32, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 1100, 32, generator=g).to(dtype) for _ in range(2))
+    k[1, 0, 7] = 0.0
+    kw = dict(is_causal=True, variant=name, enable_gqa=True, impl="cpu", **opts)
+    with torch.no_grad():
+        plain = lssar.attention(q, k, v, **kw)
+        cached = lssar.attention(q, k, v, key_norms=key_inverse_norms(k), **kw)
+    assert given[0] is None and given[1] is not None and given[1].shape == (2, 2, 1100)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert err(cached, plain) <= tol * plain.abs().max()
+
+
+def test_generate_hands_the_cached_norms_to_the_decode_entry(monkeypatch):
+    """The GPT's decode steps pass KVCache's norms: the entry gets them at every step and the
+    tokens are those of the same model whose steps normalise the keys themselves."""
+    from lssar.ops.cpu_kernel import kernel
+
+    mod = kernel()
+    given, real = [], mod.decode
+    monkeypatch.setattr(mod, "decode", lambda *a: given.append(a[3] is not None) or real(*a))
+    model = _gpt("lssar", "cpu", n_kv_head=2)
+    prompt = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(5))
+    out = model.generate(prompt, 6, temperature=0.0)
+    assert given == [True] * 2 * 5  # 2 layers x 5 decode steps
+    monkeypatch.setattr(KVCache, "key_norms", lambda self, layer: None)
+    given.clear()
+    assert torch.equal(model.generate(prompt, 6, temperature=0.0), out)
+    assert given == [False] * 2 * 5

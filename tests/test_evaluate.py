@@ -814,6 +814,64 @@ def test_reproduce_with_workers_trains_each_run_once_and_keeps_the_order(tmp_pat
         lm_study.run_study("quick", tmp_path / "runs", jobs=2)
 
 
+def test_reproduce_smoke_is_a_small_copy_of_the_preset_kept_apart(tmp_path, monkeypatch):
+    """--smoke: the preset's arms on one seed for a few steps and tokens, its own runs directory,
+    evaluation folder and report name; the command line's overrides still win."""
+    from lssar.train.config import load_config
+
+    cpu = presets.PRESETS["cpu"]
+    smoke = presets.get_preset("cpu", smoke_test=True)
+    assert smoke.arms == cpu.arms and smoke.seeds == [0] and smoke.multiples == [1, 2]
+    assert smoke.eval_tokens == 256 and smoke.eval_folder == "smoke"
+    assert smoke.passkey.steps == 2 and smoke.passkey.digits == cpu.passkey.digits
+    assert smoke.description.startswith("SMOKE TEST, not a result")
+    cfg = load_config(smoke.train_preset, smoke.train)  # a valid training config
+    assert (cfg.max_steps, cfg.eval_tokens, cfg.batch_size) == (presets.SMOKE_STEPS, 256, 4)
+    with pytest.raises(ValueError, match="unknown preset 'nope'; choose from quick"):
+        presets.get_preset("nope", smoke_test=True)
+
+    seen: dict = {}
+
+    def fake_units(fn, units, jobs=1, on_done=None):
+        seen["units"] = units
+        return [[[{"arm": a}] for a in u[2]] for u in units]
+
+    def fake_report(name, preset, results, out, seconds):
+        seen["report"] = (name, preset, out)
+        return out
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "run_units", fake_units)
+    monkeypatch.setattr(reproduce_report, "write_report", fake_report)
+    out = lm_study.run_study("quick", progress=False, smoke=True)
+    assert {(u[1], u[4]) for u in seen["units"]} == {
+        ("smoke", Path("runs/reproduce-smoke-tiny-cpu"))
+    }
+    name, preset, where = seen["report"]
+    assert name == "quick --smoke" and preset.seeds == [0] and out == where
+    assert out.parent == Path("reports") and out.name.startswith("quick-smoke-")
+
+    # each unit trains with the smoke settings under the command line's overrides
+    trained: dict = {}
+
+    def fake_train(cfg, resume=True, progress=True):
+        trained["cfg"] = cfg
+        return tmp_path / "run"
+
+    def fake_eval(run, **kw):
+        trained.setdefault("evals", []).append(kw)
+        return {}
+
+    monkeypatch.setattr("lssar.train.train", fake_train)
+    monkeypatch.setattr(lm_study, "evaluate_run", fake_eval)
+    unit = seen["units"][0]
+    lm_study._train_and_evaluate(*unit[:5], ["max_steps=2"], False)
+    cfg = trained["cfg"]
+    assert (cfg.max_steps, cfg.batch_size, cfg.eval_tokens, cfg.seed) == (2, 4, 256, 0)
+    assert {e["folder"] for e in trained["evals"]} == {"smoke"}
+    assert {tuple(e["multiples"]) for e in trained["evals"]} == {(1, 2)}
+
+
 def _changes(a: str, b: str) -> int:
     """How many things two arms' trained rules differ in: phi (with its normalisation), the
     scale rule (sdpa / ln N_i / frozen, with or without a learned s_h), QK-norm, re-weighting."""
@@ -904,7 +962,7 @@ def test_environment_records_argv_relative_to_the_project(monkeypatch):
         (" M reports/recall-cpu-2026-12-03/REPORT.md", False),  # but a regenerated report
         ("?? reports/x/\n M lssar/model.py", True),
         ("?? lssar/ops/new_kernel.py", True),  # untracked code
-        ("?? configs/mine.toml", True),
+        ("?? lssar/configs/mine.toml", True),  # an untracked preset
         (None, None),  # not a git checkout
     ],
 )
@@ -912,6 +970,7 @@ def test_git_dirty_counts_tracked_changes_and_untracked_code(monkeypatch, status
     from lssar import runio
 
     monkeypatch.setattr(runio, "_git", lambda *a: status)
+    monkeypatch.setattr(runio, "in_checkout", lambda: status is not None)
     assert runio.git_dirty() is dirty
 
 

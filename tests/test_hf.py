@@ -762,3 +762,162 @@ def test_export_refuses_a_length_dependent_factor_and_rope_scaling_without_rope(
     argv = ["export-hf", str(alibi), str(tmp_path / "b"), "--rope-scaling=yarn", "--rope-factor=2"]
     assert main(argv) == 2
     assert "rescales RoPE; this model was trained with pos='alibi'" in capsys.readouterr().err
+
+
+def test_gpt_wrapper_keeps_key_norms_across_steps_until_the_cache_changes(monkeypatch):
+    """The lssar-gpt model over HF's DynamicCache: each step computes the norms of its new keys
+    only, while the cache's keys are the tensor the previous step returned; reordering the
+    batch (beam search) replaces that tensor and the norms start over, still correct."""
+    import lssar.model as model_mod
+
+    computed = []
+    real = model_mod.key_inverse_norms
+    monkeypatch.setattr(
+        model_mod, "key_inverse_norms", lambda k: computed.append(k.shape[2]) or real(k)
+    )
+    model = hf.LssarGPTForCausalLM.from_gpt(tiny_gpt("lssar"))
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    full = model(x).logits
+    cache = DynamicCache()
+    computed.clear()
+    model(x[:, :5], cache=cache, use_cache=True)
+    for t in range(5, 7):
+        step = model(x[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full[:, t], atol=ATOL, rtol=0)
+    assert computed == [5, 5, 1, 1, 1, 1]  # 2 layers: the prompt's keys, then one key a step
+    computed.clear()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    step = model(x[[1, 0], 7:8], cache=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(step, full[[1, 0], 7], atol=ATOL, rtol=0)
+    assert computed == [8, 8]  # every key again: the reordered cache is another tensor
+
+
+# what runs in a Python that cannot import lssar: `-I` (no checkout on the path, no user site) and
+# a finder that refuses every lssar module, so the exported directory must stand alone
+_NO_LSSAR = """
+import importlib.abc, sys
+from pathlib import Path
+
+class NoLssar(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "lssar" or name.startswith("lssar."):
+            raise ModuleNotFoundError(f"No module named {name!r} (lssar is not installed here)")
+
+sys.meta_path.insert(0, NoLssar())
+import torch
+from transformers import AutoModelForCausalLM
+
+for d in map(Path, sys.argv[1:]):
+    model = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    x, mask = torch.load(d / "x.pt"), torch.load(d / "mask.pt")
+    with torch.no_grad():
+        out = {
+            "logits": model(x).logits,
+            "padded": model(x, attention_mask=mask).logits,
+            "gen": model.generate(x[:, :20], max_new_tokens=6, do_sample=False, pad_token_id=0),
+        }
+    torch.save(out, d / "remote.pt")
+loaded = sorted(m for m in sys.modules if m == "lssar" or m.startswith("lssar."))
+assert not loaded, loaded
+print("ok", len(sys.argv) - 1)
+"""
+
+
+def test_export_loads_with_trust_remote_code_without_lssar(tmp_path):
+    """An exported directory carries auto_map and its modeling file: transformers loads it with
+    trust_remote_code=True in a Python where lssar cannot be imported, and the model computes the
+    lssar GPT's logits (a learned scale, ALiBi, NoPE, a RoPE scaling, re-weighting), on a padded
+    batch too, and generates the same tokens."""
+    import subprocess
+
+    from lssar.cli import main
+    from lssar.train import load_run
+
+    cases = [
+        ("lssar", "rope", []),
+        ("ssmax", "rope", []),
+        ("softmax-qknorm-logn", "alibi", []),
+        ("lssa", "nope", []),
+        ("softmax", "rope", ["--rope-scaling=yarn", "--rope-factor=4"]),
+    ]
+    dirs, expected = [], []
+    for attn, pos, flags in cases:
+        run = make_tiny_run(tmp_path / attn, attn, pos, name=f"{attn}-{pos}")
+        out = tmp_path / f"hf-{attn}-{pos}"
+        assert main(["export-hf", str(run), str(out), *flags]) == 0
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["auto_map"]["AutoModelForCausalLM"] == ("modeling_lssar_gpt.LssarGPTForCausalLM")
+        assert cfg["lssar_variant"]["name"] == attn and (out / "modeling_lssar_gpt.py").is_file()
+        gpt, tcfg, _ = load_run(run)
+        kw = {k.removeprefix("--").replace("-", "_"): v for k, v in (f.split("=") for f in flags)}
+        gpt.switch(**kw, train_len=tcfg.seq_len)
+        x = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(x)
+        mask[1, :5] = 0  # left padding
+        torch.save(x, out / "x.pt")
+        torch.save(mask, out / "mask.pt")
+        with torch.no_grad():
+            want = {
+                "logits": gpt(x)[0],
+                "gen": gpt.generate(x[:, :20], 6, temperature=0),
+                "padded": hf.LssarGPTForCausalLM.from_gpt(gpt)(x, attention_mask=mask).logits,
+            }
+        dirs.append(out)
+        expected.append(want)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", _NO_LSSAR, *map(str, dirs)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0 and r.stdout.startswith("ok 5"), r.stderr[-3000:]
+    for (attn, pos, _), d, want in zip(cases, dirs, expected):
+        got = torch.load(d / "remote.pt")
+        torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=0, msg=attn)
+        # the padded row's real tokens (lssar's own HF model on the same padded batch)
+        torch.testing.assert_close(got["padded"], want["padded"], atol=1e-5, rtol=0, msg=attn)
+        assert torch.equal(got["gen"], want["gen"]), (attn, pos)
+
+
+def test_exported_model_dispatches_through_the_attention_interface(tiny_run, tmp_path):
+    """With lssar's attention registered, the exported modeling file's model looks its attention
+    up by name as stock models do: lssar's function for its variant (the default); a name for
+    another rule is refused. (Where lssar is installed, the Auto classes pick lssar's own
+    lssar-gpt class; the file's class is loaded here from the directory.)"""
+    import importlib.util
+
+    from transformers import AttentionInterface
+
+    from lssar.cli import main
+    from lssar.train import load_run
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(tiny_run), str(out)]) == 0  # an lssa run
+    hf.register()
+    calls = []
+    real = hf.attention_function("lssa")
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    AttentionInterface.register("lssa", spy)
+    try:
+        spec = importlib.util.spec_from_file_location("exported", out / "modeling_lssar_gpt.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.LssarGPTForCausalLM.from_pretrained(out).eval()
+        x = torch.randint(0, 256, (2, 20))
+        gpt = load_run(tiny_run)[0]
+        torch.testing.assert_close(model(x).logits, gpt(x)[0], atol=1e-5, rtol=0)
+        assert len(calls) == gpt.cfg.n_layer  # one call per layer, through the interface
+        model.config._attn_implementation = "lssar"
+        with pytest.raises(ValueError, match="this model computes 'lssa'"):
+            model(x)
+    finally:
+        AttentionInterface.register("lssa", real)

@@ -17,14 +17,24 @@ ROOT = Path(lssar.__file__).resolve().parent
 # A module's layer is the first of these prefixes its name starts with; it may import from its
 # own layer and the ones after it, never from one before it.
 LAYERS = [
-    ("cli", ("lssar.cli", "lssar.__main__")),
+    ("cli", ("lssar.cli", "lssar.__main__", "lssar.harness")),
     # studies are experiments built on everything below them, Hugging Face models included (the
     # conversion study fine-tunes and evaluates them); integrations never import a study
     ("studies", ("lssar.studies",)),
     ("integrations", ("lssar.integrations", "lssar.hf")),
     ("training", ("lssar.train",)),
     ("data", ("lssar.data",)),
-    ("model", ("lssar.model", "lssar.spec", "lssar.positions", "lssar.runio")),
+    (
+        "model",
+        (
+            "lssar.model",
+            "lssar.nn",
+            "lssar.spec",
+            "lssar.positions",
+            "lssar.runio",
+            "lssar.clihelp",
+        ),
+    ),
     ("ops", ("lssar.ops", "lssar")),  # lssar/__init__ re-exports the op layer only
 ]
 

@@ -409,16 +409,16 @@ def test_documents_weights_and_refusals():
 
 def test_default_call_passes_no_window_or_documents(monkeypatch):
     """The default forward calls lssar.attention exactly as before: no span arguments."""
-    import lssar.model
+    import lssar.nn
 
     seen: list[set[str]] = []
-    real = lssar.model.attention
+    real = lssar.nn.attention
 
     def spy(*args, **kwargs):
         seen.append(set(kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lssar.model, "attention", spy)
+    monkeypatch.setattr(lssar.nn, "attention", spy)
     model = _model("lssar")
     idx = torch.randint(0, 64, (2, 9))
     with torch.no_grad():

@@ -158,6 +158,7 @@ def test_finetune_resumes_exactly(tiny_dir, corpus, tmp_path):
     assert [r["step"] for r in log if "val_loss" in r] == [0, 3, 6]  # the recovery curve
     trained = {k for k in a if not torch.equal(a[k], _final_state_of(tiny_dir)[k])}
     assert trained and all(any(s in k for s in ft._ATTENTION_PARTS) for k in trained)
+    assert Path(json.loads((whole / "model" / "lssar.json").read_text())["dataset"]).is_dir()
     back, _ = load_model(whole / "model")
     assert back.config._attn_implementation == "lssar"
 

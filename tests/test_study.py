@@ -55,7 +55,7 @@ def test_every_study_takes_the_shared_flags(tmp_path: Path, capsys) -> None:
         out, err = capsys.readouterr()
         assert f"--out_dir={tmp_path / 'r'}" in out
         assert ("deprecated" in err) == (flag == "--runs-dir")
-    for cmd in ("reproduce", "recall", "orbits"):
+    for cmd in ("reproduce", "recall", "orbits", "convert-study"):
         assert main([cmd, "--seeds", "one", "--runs", str(tmp_path / "r")]) == 2
         assert "--seeds 'one': expected integers" in capsys.readouterr().err
         with pytest.raises(SystemExit):

@@ -299,7 +299,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True, stop_after: int | None 
         model.eval()
         save_model(model, load_tokenizer(model_dir), run_dir / "model", {
             "attn": cfg.attn, "p": cfg.p, "seq_len": cfg.seq_len, "source": info,
-            "finetuned_from": str(source), "steps": cfg.steps,
+            "finetuned_from": str(source), "steps": cfg.steps, "dataset": str(ds),
         })  # fmt: skip
         run.finish(step=step, loss=loss_val, seconds=time.time() - t0, model=str(run_dir / "model"))
     return run_dir

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,20 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lssar.integrations import packing
-from lssar.model import GPT, GPTConfig
+from lssar.model import GPT, GPTConfig, KeyNorms
+from lssar.ops.registry import get_variant
 from lssar.positions import RopeScaling, hf_rope_parameters
+from lssar.spec import AttentionSpec
 
 MODEL_TYPE = "lssar-gpt"
 TOKENIZER_INFO = "lssar_tokenizer.json"
+# the self-contained model an export carries (auto_map): loads with trust_remote_code=True
+# where lssar is not installed
+REMOTE_CODE = Path(__file__).with_name("modeling_lssar_gpt.py")
+AUTO_MAP = {
+    "AutoConfig": f"{REMOTE_CODE.stem}.LssarGPTConfig",
+    "AutoModelForCausalLM": f"{REMOTE_CODE.stem}.LssarGPTForCausalLM",
+}
 _V5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
@@ -115,14 +125,64 @@ def _output(**fields: Any) -> CausalLMOutputWithPast:
     return CausalLMOutputWithPast(**fields, **{key: cache})
 
 
+def _layer_keys(cache: Any, layer: int) -> Tensor | None:
+    """The keys a transformers cache holds for ``layer`` (``layers[i].keys`` in 5.x,
+    ``key_cache[i]`` before), or None."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return getattr(layers[layer], "keys", None) if layer < len(layers) else None
+    keys = getattr(cache, "key_cache", None)
+    return keys[layer] if keys is not None and layer < len(keys) else None
+
+
 class _CacheAdapter:
-    """A transformers cache seen through :class:`lssar.model.KVCache`'s ``update`` signature."""
+    """A transformers cache seen through :class:`lssar.model.KVCache`'s ``update`` and
+    ``key_norms`` (the adapter is made per forward call; the norms live on the cache object).
+
+    The keys' inverse norms carry over from the previous step only while the cache's keys are
+    the very tensor the previous update returned, unmodified (same object, same ``_version``):
+    transformers replaces the tensor when it appends (``torch.cat``), reorders beams, crops or
+    selects batch rows, so anything but a plain append starts the norms over (a static cache's
+    in-place writes too, through ``_version``).
+    """
 
     def __init__(self, cache: Any) -> None:
         self.cache = cache
+        self.keys: dict[int, Tensor] = {}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.update(k, v, layer)  # (B, H_kv, T_past + T, D) each
+        states = self.cache.__dict__.setdefault("_lssar_key_norms", {})
+        before, state = _layer_keys(self.cache, layer), states.get(layer)
+        if state is None or not state.holds(before):
+            state = states[layer] = _NormState(KeyNorms())
+        keys, values = self.cache.update(k, v, layer)  # (B, H_kv, T_past + T, D) each
+        state.keys, state.version = weakref.ref(keys), keys._version
+        self.keys[layer] = keys
+        return keys, values
+
+    def key_norms(self, layer: int) -> Tensor | None:
+        """``1 / ||k_j||`` of the keys the last :meth:`update` of ``layer`` returned."""
+        keys = self.keys.get(layer)
+        state = self.cache.__dict__.get("_lssar_key_norms", {}).get(layer)
+        return None if keys is None or state is None else state.norms.extend(keys)
+
+
+@dataclasses.dataclass
+class _NormState:
+    """A layer's key norms and the keys tensor (weakly) and version they were kept for."""
+
+    norms: KeyNorms
+    keys: Any = None
+    version: int = -1
+
+    def holds(self, keys: Tensor | None) -> bool:
+        """Whether ``keys`` is that very tensor, unmodified since."""
+        return (
+            keys is not None
+            and self.keys is not None
+            and self.keys() is keys
+            and (keys._version == self.version)
+        )
 
 
 class LssarGPTForCausalLM(PreTrainedModel, GenerationMixin):
@@ -340,6 +400,18 @@ def hf_tokenizer(name: str, data_dir: str | Path | None = None) -> Any:
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=eot, bos_token=eot)
 
 
+def variant_definition(spec: AttentionSpec) -> dict[str, Any]:
+    """The attention rule ``spec`` as data (``config.json``'s ``lssar_variant``): the variant's
+    normaliser, scaling and QK-norm and its resolved options (a learned ``s`` as ``None``: it is
+    a weight), what the exported modeling file computes without lssar."""
+    v = get_variant(spec.name)
+    options = v.resolve(dict(spec.options))
+    if "s" in options:
+        options["s"] = None
+    fields = ("phi", "l1", "scaling", "qk_norm", "divide_by_n")
+    return {"name": v.name, **{f: getattr(v, f) for f in fields}, "options": options}
+
+
 def export_run(
     run_dir: str | Path,
     out_dir: str | Path,
@@ -351,10 +423,13 @@ def export_run(
     ``rope_factor`` (a number) export a RoPE run with its rotation rescaled
     (:meth:`lssar.model.GPT.switch`, from the training length).
 
-    Files: ``config.json``, ``model.safetensors``, ``generation_config.json``, the HF tokenizer
-    (``tokenizer.json``, ...; encodes as the run's tokenizer) and ``lssar_tokenizer.json``
-    (``{"name", "vocab_size", "eot"}``, what ``lssar.data.get_tokenizer`` needs). Load it with
-    ``lssar.integrations.hf.register()`` then ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+    Files: ``config.json`` (with ``auto_map`` and ``lssar_variant``), ``model.safetensors``,
+    ``generation_config.json``, ``modeling_lssar_gpt.py`` (the model without lssar), the HF
+    tokenizer (``tokenizer.json``, ...; encodes as the run's tokenizer) and
+    ``lssar_tokenizer.json`` (``{"name", "vocab_size", "eot"}``, what
+    ``lssar.data.get_tokenizer`` needs). Load it with ``lssar.integrations.hf.register()`` then
+    ``AutoModelForCausalLM.from_pretrained(out_dir)``, or, without lssar,
+    ``from_pretrained(out_dir, trust_remote_code=True)``.
     """
     from lssar import data
     from lssar.train.runs import load_run
@@ -378,6 +453,10 @@ def export_run(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
+        config = json.loads((tmp / "config.json").read_text("utf-8"))
+        config |= {"auto_map": AUTO_MAP, "lssar_variant": variant_definition(model.attn_spec)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", "utf-8")
+        shutil.copyfile(REMOTE_CODE, tmp / REMOTE_CODE.name)
         hf_tokenizer(cfg.tokenizer, meta["data_dir"]).save_pretrained(tmp)
         info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot}
         (tmp / TOKENIZER_INFO).write_text(json.dumps(info | {"step": meta["step"]}, indent=2))

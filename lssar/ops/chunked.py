@@ -52,11 +52,10 @@ DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a f
 # traffic; measured on 2 cores, fwd+bwd at T = 16K: 1.62x (lssa) / 1.76x (lssar) SDPA with
 # 512 KB slabs, 1.26x / 1.30x with 2 MB.
 FUSED_BLOCK_ELEMS = 1 << 19
-# Fused forward. LSSA: 256 query rows x 512 keys a tile (one pass, tiles add up), the blocking
-# of PyTorch's own CPU flash kernel: scores, K and V tiles stay in L2 and K, V are re-read once per
-# 256 rows. LSSAR: 64 rows, each block's keys as one tile, keeping its softplus values between its
-# two passes (recomputing them per tile cost more than the cache misses it saves: measured with
-# the AVX2 build on 2 cores, T = 4K and 16K, lssar forward 2.2-2.5x SDPA tiled vs 1.65x untiled).
+# Fused forward: tiles of 512 keys (their packed K and V stay in L2 while a block's rows use
+# them). LSSA: blocks of 256 query rows (one pass, tiles add up), the blocking of PyTorch's own CPU
+# flash kernel. LSSAR: blocks of 64 rows whose softplus values are kept between its two passes
+# (written once, read once; recomputing them per tile cost more than the traffic it saves).
 LSSA_ROWS, LSSA_KEY_TILE, LSSAR_ROWS = 256, 512, 64
 # A decode step (``impl="cpu"``, no gradient): at most this many new queries go to the kernel's
 # decode entry, which reads the cache in place, normalises each key as it reads it and cuts the
@@ -92,10 +91,7 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
     flat = [t.detach().reshape(B * H, t.shape[2], t.shape[3]).contiguous() for t in tensors]
     m4 = None if mask is None else as_4d(mask).expand(B, H, t_q, t_k)
     if name == "forward":
-        if p is None:
-            tiling = (block if block > 0 else LSSA_ROWS, LSSA_KEY_TILE)
-        else:
-            tiling = (block if block > 0 else LSSAR_ROWS, t_k)
+        tiling = (block if block > 0 else LSSA_ROWS if p is None else LSSAR_ROWS, LSSA_KEY_TILE)
     else:
         tiling = (_fused_rows(t_k, block),)
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
@@ -308,6 +304,12 @@ def decode_applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
     )
 
 
+def key_inverse_norms(k: Tensor) -> Tensor:
+    """``1 / ||k_j||`` per key, float32 ``(.., T_k)`` (0 for a zero or non-finite key): what a KV
+    cache keeps for :func:`lssar.attention`'s ``key_norms``."""
+    return _inverse_norms(k.float())[0]
+
+
 def _inverse_norms(k: Tensor) -> tuple[Tensor, Tensor]:
     """``(1 / ||k_j||`` per key ``(.., T_k)``, ``k``) from one pass over ``k``: a zero key gets 0
     (cosine 0, as :func:`lssar.ops.common.unit` makes it). Where some key's squares could over-
@@ -360,12 +362,14 @@ def softplus_decode_op(
     log_n: bool,
     qk_norm: bool,
     p: float | None,
+    k_inv: Tensor | None = None,
 ) -> Tensor:
     """A few float32 queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
     ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys (float32, bf16 or fp16), ``H_q``
     a multiple of ``H_k``; the output in float32. Each key and value is read once, in place, by
     the fused kernel's decode entry, which reads no masked key or value
-    (:func:`lssar.ops.registry.attention` leaves them as they are); where that kernel cannot run
+    (:func:`lssar.ops.registry.attention` leaves them as they are) and takes the keys' inverse
+    norms from ``k_inv (B, H_k, T_k)`` where the cache keeps them; where that kernel cannot run
     (not built, or a row whose every softplus underflowed), :func:`_eager_decode`."""
     from lssar.ops.cpu_kernel import kernel
 
@@ -374,8 +378,9 @@ def softplus_decode_op(
     if mod is not None:
         m4 = None if mask is None else as_4d(mask).expand(B, hq, t_q, k.shape[2])
         rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(q.dtype))
+        tensors = (q.contiguous(), k, v, k_inv if qk_norm else None, m4)
         out, underflow = mod.decode(
-            q.contiguous(), k, v, m4, is_causal, scale, log_n, qk_norm, *rule, DECODE_KEY_CHUNK
+            *tensors, is_causal, scale, log_n, qk_norm, *rule, DECODE_KEY_CHUNK
         )
         if not underflow:
             return out
@@ -383,14 +388,16 @@ def softplus_decode_op(
 
 
 @softplus_decode_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p):
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, k_inv=None):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])  # float32, as q
 
 
-def _decode(query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans, fused) -> Tensor:
-    """A decode step: :func:`softplus_decode_op` (``fused``, where :func:`decode_applies`) or
-    :func:`_eager_decode`; with ``spans`` over only the keys the rows may see (a view of the
-    cache for documents and windows)."""
+def _decode(
+    query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans, fused, key_norms=None
+) -> Tensor:
+    """A decode step: :func:`softplus_decode_op` (``fused``, where :func:`decode_applies`; with
+    the cache's ``key_norms`` if given) or :func:`_eager_decode`; with ``spans`` over only the keys
+    the rows may see (a view of the cache for documents and windows)."""
     dtype = value.dtype
     query = unit(query) if qk_norm else query.to(compute_dtype(query.dtype))
     if spans is not None:
@@ -398,8 +405,9 @@ def _decode(query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans, fus
         if keys is None:  # no row sees a key
             return value.new_zeros(query.shape[:-1] + value.shape[-1:])
         key, value, is_causal = key[:, :, keys], value[:, :, keys], False
+        key_norms = None if key_norms is None else key_norms[:, :, keys]
     args = (query, key, value, mask, is_causal, c, log_n, qk_norm, p)
-    out = softplus_decode_op(*args) if fused else _eager_decode(*args)
+    out = softplus_decode_op(*args, key_norms) if fused else _eager_decode(*args)
     return out.to(dtype)
 
 
@@ -565,6 +573,7 @@ def _softplus_attention(
     block: int,
     fused: bool,
     spans: KeySpans | None = None,
+    key_norms: Tensor | None = None,
 ) -> Tensor:
     if dropout_p > 0:
         raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
@@ -573,7 +582,7 @@ def _softplus_attention(
     if decode_applies(query, key, value) if fused else is_decode_step(query, key, value):
         p = None if p is None else float(p)
         args = (attn_mask, is_causal, float(c), log_n, variant.qk_norm, p, spans, fused)
-        return _decode(query, key, value, *args)
+        return _decode(query, key, value, *args, key_norms)
     if enable_gqa:
         key, value = expand_kv(query, key, value)
     if variant.qk_norm:  # in float32 for half inputs, robust at every scale
@@ -631,8 +640,10 @@ def cpu_attention(
     options,
     block: int = 0,
     spans: KeySpans | None = None,
+    key_norms: Tensor | None = None,
 ) -> Tensor:
     """``impl="cpu"``: :func:`chunked_attention` on the fused C++ kernel (float32 statistics;
-    ``block`` = query rows per block, 0 = sized so a block's scores stay in L2)."""
+    ``block`` = query rows per block, 0 = sized so a block's scores stay in L2; ``key_norms``: the
+    keys' inverse norms a KV cache keeps, read by the decode entry)."""
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return _softplus_attention(*args, variant, options, block, True, spans)
+    return _softplus_attention(*args, variant, options, block, True, spans, key_norms)

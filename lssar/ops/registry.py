@@ -44,7 +44,8 @@ class Impl:
     (:class:`lssar.ops.spans.KeySpans`: packed documents, sliding windows, sink tokens).
     ``hides(query, key, value)``: for this call the impl lets no masked key or value into a
     result, so :func:`attention` need not zero them first (:func:`hide_unseen`: a pass over the
-    whole cache in a decode step).
+    whole cache in a decode step). ``key_norms``: it takes ``key_norms=`` (the keys' inverse
+    norms a KV cache keeps, :func:`attention`) instead of computing them at every call.
     """
 
     name: str
@@ -60,6 +61,7 @@ class Impl:
     alibi: bool = False
     spans: bool = False
     hides: Callable[[Tensor, Tensor, Tensor], bool] | None = None
+    key_norms: bool = False
 
     @property
     def fn(self) -> Callable[..., Tensor]:
@@ -221,6 +223,7 @@ for _entry in (
         torch_func=False,
         spans=True,
         hides=_cpu_decode,
+        key_norms=True,
     ),
     Impl(
         "sdpa",
@@ -440,6 +443,7 @@ def attention(
     cu_seqlens_k: Tensor | None = None,
     window: tuple[int | None, int | None] | None = None,
     sink_tokens: int = 0,
+    key_norms: Tensor | None = None,
     **options: Any,
 ) -> Tensor:
     """Attention with the paper's variants behind SDPA's signature.
@@ -482,6 +486,12 @@ def attention(
             is W keys ending at the query). ``N_i`` counts the keys inside the window.
         sink_tokens: with a window, the first ``sink_tokens`` keys of each document stay
             visible (attention sinks, as StreamingLLM).
+        key_norms: ``1 / ||k_j||`` per key, float32 ``(B, H_kv, T_k)`` (a zero or non-finite key:
+            0), as a KV cache keeps them (:meth:`lssar.model.KVCache.key_norms`) for the variants
+            that normalise keys: computed once when a key enters the cache instead of at every
+            decode step. A cache of a function of ``key``, not an input of the math: the ``cpu``
+            decode entry reads them, every other path computes them from ``key`` (same
+            result). Dropped where autocast changes ``key``'s dtype.
         **options: the variant's own keyword options (e.g. ``p`` for re-weighting).
 
     Returns:
@@ -497,6 +507,7 @@ def attention(
     """
     check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     check_alibi(alibi_slopes, query)
+    _check_key_norms(key_norms, key, variant)
     spans = key_spans(
         query.shape[-2],
         key.shape[-2],
@@ -514,13 +525,34 @@ def attention(
     low = autocast_dtype(device)
     args = (attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, impl, impl_options)
     if low is None:
-        return _attention(query, key, value, *args, options, alibi_slopes, spans)
+        return _attention(query, key, value, *args, options, alibi_slopes, spans, key_norms)
     # one place for every implementation: left on, autocast would re-round the float32 score and
     # value GEMMs inside the materialised and chunked paths to bf16 (LSSAR p=15 errors 10-25x)
     if query.dtype != torch.float64:
+        if key.dtype != low:
+            key_norms = None  # the norms of the keys before rounding
         query, key, value = (t.to(low) for t in (query, key, value))
     with torch.autocast(device, enabled=False):
-        return _attention(query, key, value, *args, options, alibi_slopes, spans)
+        return _attention(query, key, value, *args, options, alibi_slopes, spans, key_norms)
+
+
+def _check_key_norms(key_norms: Tensor | None, key: Tensor, variant: str) -> None:
+    """``key_norms`` of :func:`attention`: float32 ``(B, H_kv, T_k)`` beside ``key``, for a
+    variant that normalises keys; ``ValueError`` saying what is wrong otherwise."""
+    if key_norms is None:
+        return
+    if not get_variant(variant).qk_norm:
+        raise ValueError(
+            f"key_norms were given, but variant {variant!r} does not normalise its keys; pass "
+            "them only for the QK-norm variants (lssa, lssar, softmax-qknorm-*)"
+        )
+    if not isinstance(key_norms, Tensor) or key_norms.dtype != torch.float32:
+        raise ValueError(f"key_norms must be a float32 tensor, got {key_norms!r:.80}")
+    if key_norms.shape != key.shape[:-1] or key_norms.device != key.device:
+        raise ValueError(
+            f"key_norms must have shape {tuple(key.shape[:-1])} (the key's B, H_kv, T_k) on "
+            f"{key.device}, got {tuple(key_norms.shape)} on {key_norms.device}"
+        )
 
 
 def _attention(
@@ -538,6 +570,7 @@ def _attention(
     options: dict[str, Any],
     alibi_slopes: Tensor | None,
     spans: KeySpans | None = None,
+    key_norms: Tensor | None = None,
 ) -> Tensor:
     """:func:`attention` after its checks, with autocast settled: route and run (``spans``:
     documents / window, the causal rule folded in)."""
@@ -587,4 +620,5 @@ def _attention(
         # passed only when given: backends without ALiBi or spans keep their signature
         **({"alibi_slopes": alibi_slopes} if alibi else {}),
         **({"spans": spans} if spans is not None else {}),
+        **({"key_norms": key_norms} if key_norms is not None and BACKENDS[impl].key_norms else {}),
     )

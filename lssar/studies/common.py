@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lssar import clihelp
 from lssar.positions import RopeScaling, check_pos, with_pos
 from lssar.runio import atomic_write
 from lssar.spec import AttentionSpec
@@ -231,24 +232,24 @@ def study_parser(
     """The command line every study shares: ``--preset --arms --seeds --jobs --runs --out
     --no-progress`` (``runs``/``out``: their defaults, as help text; ``None`` in the parsed
     arguments stands for them). ``renamed`` maps a study's old spellings to these (``{"--runs-dir":
-    "--runs"}``): still accepted, with a note. A study adds its own flags to the parser;
-    :func:`study_args` reads the shared ones."""
-    ap = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    "--runs"}``): still accepted, with a note. Every option is described
+    (:mod:`lssar.clihelp`); the epilog lists the presets, and a study appends to it. A study
+    adds its own flags to the parser; :func:`study_args` reads the shared ones."""
+    ap = clihelp.parser(prog, description)
+    ap.epilog = clihelp.add_preset(ap, presets)
+    ap.add_argument(
+        "--arms", help=f"comma-separated subset of: {', '.join(arms)}; none: the preset's"
     )
-    budgets = ", ".join(f"{k} ({v.budget})" for k, v in presets.items())
-    ap.add_argument("--preset", default="quick", help=budgets)
-    ap.add_argument("--arms", help=f"comma-separated subset of: {', '.join(arms)}")
-    ap.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the preset's)")
+    ap.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2; none: the preset's")
     ap.add_argument(
         "--jobs",
         type=int,
         help="units trained and evaluated at once, in worker processes of one torch thread "
-        "each (default: the preset's, else 1); results do not depend on it",
+        "each; none: the preset's, else 1; results do not depend on it",
     )
-    ap.add_argument("--runs", help=f"where the run directories live (default {runs})")
-    ap.add_argument("--out", help=f"the report directory (default {out})")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--runs", help=f"where the run directories live; none: {runs}")
+    ap.add_argument("--out", help=f"the report directory; none: {out}")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars or lines")
     for old, new in (renamed or {}).items():
         dest = new.lstrip("-").replace("-", "_")
         ap.add_argument(old, dest=dest, action=_Renamed, new=new, help=argparse.SUPPRESS)

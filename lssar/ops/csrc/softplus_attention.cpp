@@ -20,6 +20,8 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,34 +57,114 @@ struct Problem {
   }
 };
 
-// log1p(t) for t in [0, 1]: 2 atanh(u), u = t / (2 + t) in [0, 1/3], by its series to u^17
-// (truncation < 3e-9 relative): full relative precision near 0, where softplus(s) ~ exp(s).
-inline Vec log1p_unit(Vec t) {
-  const Vec u = t / (Vec(2.f) + t), u2 = u * u;
-  Vec poly(1.f / 17.f);
-  for (float c : {15.f, 13.f, 11.f, 9.f, 7.f, 5.f, 3.f, 1.f}) poly = at::vec::fmadd(poly, u2, Vec(1.f / c));
-  return Vec(2.f) * u * poly;
+// Softplus without a division or a general-purpose exp: softplus(s) = max(s, 0) + log1p(u) with
+// u = exp(-|s|) from one bounded exp (the argument is never positive) and log1p(u) = u P(u), the
+// Triton kernel's polynomial. The scores are s = c_i (q.k), rounded once as the reference
+// rounds them: computing in base 2 (s log2(e), so that ln 2 cancels in the l1 normalisation)
+// rounds every score a second, independent time, and with p = 15 that made LSSAR's gradients
+// miss the accuracy rule on a grid point (1.6x the previous kernel's error); here the exp's
+// range reduction takes log2(e) as two floats instead, one FMA more.
+
+// exp(x) for x <= 0, flushed to 0 below about 2^-125.5 (the float32 exp of the previous kernel
+// flushed below 2^-126): x log2(e) = n + f with n = round(x log2(e)) and f from two FMAs (log2(e)
+// as hi + lo, so f carries x's full precision), 2^f by a degree-6 fit (relative error 1e-7),
+// times 2^n. NaN stays NaN; -inf gives 0.
+inline Vec exp_neg(Vec x) {
+  const Vec t = x * Vec(1.4426950408889634f), lo(-125.5f);
+#if defined(CPU_CAPABILITY_AVX512)
+  const Vec n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const Vec n = t.round();
+#endif
+  Vec f = at::vec::fmadd(x, Vec(1.4426950216293335f), Vec(0.f) - n);
+  f = at::vec::fmadd(x, Vec(1.925963033500011e-8f), f);
+  Vec p(1.5345706196967512e-4f);
+  for (float c : {1.3399930903688073e-3f, 9.618489071726799e-3f, 5.550328642129898e-2f,
+                  0.24022646248340607f, 0.6931471824645996f, 1.f})
+    p = at::vec::fmadd(p, f, Vec(c));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(t, lo, _CMP_GE_OQ), p, n);
+#elif defined(CPU_CAPABILITY_AVX2)
+  // n >= -125 where kept: the exponent field of p 2^n stays normal
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+  return _mm256_and_ps(y, _mm256_cmp_ps(t, lo, _CMP_GE_OQ));
+#else
+  return Vec::blendv(Vec(0.f), p * n.exp2(), t >= lo);
+#endif
 }
 
-// softplus(s) = max(s, 0) + log1p(exp(-|s|)), and t = exp(-|s|) for the sigmoid
-inline Vec softplus_t(Vec s, Vec& t) {
-  t = (Vec(0.f) - s.abs()).exp_u20();
-  return at::vec::maximum(s, Vec(0.f)) + log1p_unit(t);
+// -|x|: the sign bit set
+inline Vec neg_abs(Vec x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_or_ps(x, _mm256_set1_ps(-0.f));
+#else
+  return Vec(0.f) - x.abs();
+#endif
+}
+
+// softplus(s), and u = exp(-|s|) for the sigmoid. log1p(u) = u + u (u P(u)), P a degree-9 fit of
+// (log1p(u) / u - 1) / u on [0, 1] (relative minimax error of log1p 1e-9): u enters exactly and
+// only the correction rounds, 0.30 ulp rms and no bias (measured against float64 over
+// s in [-6, 0]; torch's softplus: 0.42). Triton's degree-8 fit of log1p(u) / u, evaluated as
+// u P(u), had a bias of +0.5 ulp, which p = 15 amplified into gradient errors beyond the rule on
+// a grid point.
+inline Vec softplus_u(Vec s, Vec& u) {
+  u = exp_neg(neg_abs(s));
+  Vec q(2.0092299673706293e-3f);
+  for (float c : {-1.3290571980178356e-2f, 4.1201069951057434e-2f, -8.207687735557556e-2f,
+                  0.1238923966884613f, -0.16091100871562958f, 0.1988624483346939f,
+                  -0.24986454844474792f, 0.3333248198032379f, -0.4999997913837433f})
+    q = at::vec::fmadd(q, u, Vec(c));
+  return at::vec::maximum(s, Vec(0.f)) + at::vec::fmadd(u, u * q, u);
 }
 
 inline Vec softplus(Vec s) {
-  Vec t;
-  return softplus_t(s, t);
+  Vec u;
+  return softplus_u(s, u);
 }
 
-// sigmoid(s) from t = exp(-|s|): 1 / (1 + t) for s >= 0, t / (1 + t) below
-inline Vec sigmoid_t(Vec s, Vec t) {
-  const Vec inv = Vec(1.f) / (Vec(1.f) + t);
-  return Vec::blendv(t * inv, inv, s >= Vec(0.f));
+// 1 / x for x in [1, 2]: AVX-512's 14-bit estimate and one Newton step (error 2^-28)
+inline Vec recip_1_2(Vec x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 y = _mm512_rcp14_ps(x);
+  return _mm512_mul_ps(y, _mm512_fnmadd_ps(x, y, _mm512_set1_ps(2.f)));
+#else
+  return Vec(1.f) / x;
+#endif
 }
 
+// sigmoid(s) from u = exp(-|s|): 1 / (1 + u) for s >= 0, u / (1 + u) below
+inline Vec sigmoid_u(Vec s, Vec u) {
+  const Vec inv = recip_1_2(Vec(1.f) + u);
+  return Vec::blendv(u * inv, inv, s >= Vec(0.f));
+}
 
-// r^p by repeated squaring (the multiplications of chunked._ipow), lane-wise
+// A row loop: body(j, cnt, full) over [0, e) in full vectors (full = std::true_type: no lane
+// count, no mask) and one tail (std::false_type, cnt < L lanes; loads fill the others with 0).
+template <typename Body>
+inline void row_loop(int64_t e, Body&& body) {
+  constexpr int64_t L = Vec::size();
+  int64_t j = 0;
+  for (; j + L <= e; j += L) body(j, L, std::true_type{});
+  if (j < e) body(j, e - j, std::false_type{});
+}
+
+template <bool Full>
+inline Vec load(const float* p, int64_t cnt) {
+  if constexpr (Full) return Vec::loadu(p);
+  else return Vec::loadu(p, cnt);
+}
+template <bool Full>
+inline void store(Vec x, float* p, int64_t cnt) {
+  if constexpr (Full) x.store(p);
+  else x.store(p, cnt);
+}
+
+// r^n by repeated squaring (the multiplications of chunked._ipow), lane-wise
 inline Vec vipow(Vec r, int n) {
   Vec result(1.f), base = r;
   bool first = true;
@@ -102,14 +184,32 @@ inline bool small_int(float p) {
   return static_cast<float>(n) == p && n >= 1 && n <= 64;
 }
 
-// r^p (forward weights); r in [0, 1]
-inline Vec vpow(Vec r, float p) { return small_int(p) ? vipow(r, static_cast<int>(p)) : r.pow(Vec(p)); }
+// Calls fn(pw) with pw(r) = r^p for r in [0, 1]: unrolled for the common integer powers (p = 15,
+// the paper's; 3; and p - 1 = 14, 2 for the backward's r^(p-1)), a loop for other small
+// integers, pow otherwise.
+template <typename Fn>
+inline void with_pow(float p, Fn&& fn) {
+  // a constant n: the loop of vipow unrolls into the same products, in the same order
+  if (p == 15.f) return fn([](Vec r) { return vipow(r, 15); });
+  if (p == 14.f) return fn([](Vec r) { return vipow(r, 14); });
+  if (p == 3.f) return fn([](Vec r) { return vipow(r, 3); });
+  if (p == 2.f) return fn([](Vec r) { return r * r; });
+  if (p == 1.f) return fn([](Vec r) { return r; });
+  if (small_int(p)) {
+    const int n = static_cast<int>(p);
+    return fn([n](Vec r) { return vipow(r, n); });
+  }
+  const Vec pv(p);
+  fn([pv](Vec r) { return r.pow(pv); });
+}
 
-// r^(p-1) for the backward: 0 where r = 0 unless p > 1 makes it 0 anyway
-inline Vec vpow_m1(Vec r, float p) {
-  if (p > 1.f) return vpow(r, p - 1.f);
-  Vec pw = r.pow(Vec(p - 1.f));
-  return Vec::blendv(Vec(0.f), pw, r > Vec(0.f));
+// r^(p-1) for the backward: 0 where r = 0 (dx = 0 there; the power is 1 or unbounded at 0 for
+// p <= 1)
+template <typename Fn>
+inline void with_pow_m1(float p, Fn&& fn) {
+  if (p > 1.f) return with_pow(p - 1.f, fn);
+  const Vec pv(p - 1.f);
+  fn([pv](Vec r) { return Vec::blendv(Vec(0.f), r.pow(pv), r > Vec(0.f)); });
 }
 
 inline float hsum(Vec x) {
@@ -119,32 +219,47 @@ inline float hmax(Vec x) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
 }
 
-// The visibility of row i's keys 0..e-1 as floats (1 visible, 0 not) into `mf`, and N_i.
-// Returns nullptr (every key visible) when there is no mask.
-inline const float* visible_row(const Problem& P, int64_t bh, int64_t i, int64_t e, float* mf,
-                                float& n) {
+// The visibility of row i's keys k0 .. k0 + n - 1 as floats (1 visible, 0 not) into `mf`
+// (nullptr without a mask: every key visible), and how many are visible.
+inline const float* visible_keys(const Problem& P, int64_t bh, int64_t i, int64_t k0, int64_t n,
+                                 float* mf, float* count = nullptr) {
   if (!P.mask) {
-    n = static_cast<float>(e);
+    if (count) *count = static_cast<float>(n);
     return nullptr;
   }
-  const bool* m = P.mask_row(bh, i);
+  const bool* m = P.mask_row(bh, i) + k0 * P.ms_k;
   int64_t cnt = 0;
-  for (int64_t j = 0; j < e; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     const bool b = m[j * P.ms_k];
     mf[j] = b ? 1.f : 0.f;
     cnt += b;
   }
-  n = static_cast<float>(cnt);
+  if (count) *count = static_cast<float>(cnt);
   return mf;
 }
 
-// lanes j..j+L-1 that are inside the row (j + lane < e) and visible
-inline Vec lanes(const float* mf, int64_t j, int64_t e) {
-  const int64_t L = Vec::size();
-  if (j + L <= e) return mf ? (Vec::loadu(mf + j) > Vec(0.f)) : (Vec(0.f) == Vec(0.f));
-  Vec in = Vec::set(Vec(0.f), Vec(1.f), e - j);
-  if (mf) in = in * Vec::loadu(mf + j, e - j);
-  return in > Vec(0.f);
+// x where the key is visible (mf > 0), 0 elsewhere; without a mask, 0 on the tail's empty lanes
+template <bool Masked, bool Full>
+inline Vec visible(Vec x, const float* mf, int64_t j, int64_t cnt) {
+  const Vec zero(0.f);
+  if constexpr (Masked) return Vec::blendv(zero, x, load<Full>(mf + j, cnt) > zero);
+  else if constexpr (Full) return x;
+  else return Vec::set(zero, x, cnt);
+}
+
+// LSSAR's weights over a row of softplus values in place: ((a - mu) max 0 / x_max)^p, 0 wherever
+// a = 0 (masked keys, keys after the row's last) since mu >= 0; returns their sum.
+template <typename Pow>
+inline float sharpen_row(float* row, int64_t len, float mu, float inv, Pow pw) {
+  const Vec muv(mu), iv(inv), zero(0.f);
+  Vec ws(0.f);
+  row_loop(len, [&](int64_t j, int64_t cnt, auto full) {
+    constexpr bool F = decltype(full)::value;
+    const Vec w = pw(at::vec::maximum(load<F>(row + j, cnt) - muv, zero) * iv);
+    store<F>(w, row + j, cnt);
+    ws = ws + w;  // tail lanes: loaded as 0, so r = 0 and w = 0
+  });
+  return hsum(ws);
 }
 
 // The re-weighting's row statistics from N_i, Z_i and max_j a_ij (docs/method.md section 4): the
@@ -164,41 +279,39 @@ inline Reweight reweight_stats(const Problem& P, float n, float z, float a_max) 
   return rw;
 }
 
-// Row statistics and weights over one score row `g` (raw cosines), written to `a` (length
-// e_blk: keys e.. of the block are zero). Returns what the backward needs.
+// What the backward keeps of a row's weights
 struct RowStats {
   float n, c, z, mu, x_max, den;
   bool big, has, underflow;
-  int64_t top;  // a key of the largest re-weighted weight (backward only)
+  int64_t top;  // a key of the largest re-weighted weight
 };
 
-// For the backward, `sig` (may alias `g`) receives sigmoid(s_ij) and `rpm1` r_ij^(p-1), so no
-// transcendental function is evaluated twice.
-inline RowStats row_weights(const Problem& P, float n, const float* mf, const float* g, float* a,
-                            int64_t e, int64_t e_blk, float* sig = nullptr,
-                            float* rpm1 = nullptr) {
+// The backward's weights of one row over its keys [0, e) (of a block row of e_blk): `g` holds the
+// cosines and receives sigmoid(s_ij); `a` receives the unnormalised weights (0 on [e, e_blk)) and
+// `rpm1` (re-weighting) r_ij^(p-1), so no transcendental function is evaluated twice.
+template <bool Masked>
+RowStats row_weights(const Problem& P, float n, const float* mf, float* g, float* a, int64_t e,
+                     int64_t e_blk, float* rpm1) {
   RowStats st{};
   st.n = n;
   st.c = P.row_scale(n);
-  const Vec cv(st.c), zero(0.f), ninf(-std::numeric_limits<float>::infinity());
-  Vec zs(0.f), mx = ninf;
-  for (int64_t j = 0; j < e; j += Vec::size()) {
-    const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
-    const Vec ok = lanes(mf, j, e);
-    const Vec s = Vec::loadu(g + j, cnt) * cv;
-    Vec t;
-    const Vec av = Vec::blendv(zero, softplus_t(s, t), ok);  // select: masked inf/nan not read
-    if (sig) sigmoid_t(s, t).store(sig + j, cnt);
-    av.store(a + j, cnt);
+  const Vec cv(st.c);
+  Vec zs(0.f), mx(0.f);
+  row_loop(e, [&](int64_t j, int64_t cnt, auto full) {
+    constexpr bool F = decltype(full)::value;
+    const Vec s = load<F>(g + j, cnt) * cv;
+    Vec u;
+    const Vec av = visible<Masked, F>(softplus_u(s, u), mf, j, cnt);
+    store<F>(sigmoid_u(s, u), g + j, cnt);
+    store<F>(av, a + j, cnt);
     zs = zs + av;
     mx = at::vec::maximum(mx, av);
-  }
-  for (int64_t j = e; j < e_blk; ++j) a[j] = 0.f;  // causal tail of the block: never visible
+  });
+  std::fill(a + e, a + e_blk, 0.f);  // causal tail of the block: never visible
   const float z = hsum(zs), a_max = hmax(mx);
   st.underflow = (z == 0.f) && (n > 0.f);
   st.z = z > 0.f ? z : 1.f;
   st.den = st.z;
-  st.has = false;
   if (!P.reweight) return st;
   const Reweight rw = reweight_stats(P, n, z, a_max);
   st.big = rw.big;
@@ -206,38 +319,21 @@ inline RowStats row_weights(const Problem& P, float n, const float* mf, const fl
   if (!st.has) return st;  // no visible key, or a uniform row: LSSA weights a / Z
   st.mu = rw.mu;
   st.x_max = rw.x_max;
-  const Vec inv(1.f / st.x_max), mu(st.mu);
-  Vec ws(0.f), best(0.f), best_at(0.f);  // per lane: largest w so far (> 0) and its key
-  for (int64_t j = 0; j < e; j += Vec::size()) {
-    const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
-    const Vec r = at::vec::maximum(Vec::loadu(a + j, cnt) - mu, zero) * inv;
-    Vec w;
-    if (rpm1) {  // r^(p-1) kept for dx; r^p from it with one multiply (as chunked does)
-      const Vec rp = vpow_m1(r, P.p);
-      rp.store(rpm1 + j, cnt);
-      w = rp * r;
-    } else {
-      w = vpow(r, P.p);
-    }
-    if (cnt < Vec::size()) w = Vec::set(zero, w, cnt);
-    w.store(a + j, cnt);
-    ws = ws + w;
-    if (rpm1) {  // keys as floats: exact below 2^24
-      const Vec more = w > best;
-      best = Vec::blendv(best, w, more);
-      best_at = Vec::blendv(best_at, Vec::arange(static_cast<float>(j), 1.f), more);
-    }
-  }
+  st.top = std::find(a, a + e, a_max) - a;  // r = 1 there: the largest weight
+  const Vec inv(1.f / st.x_max), mu(st.mu), zero(0.f);
+  Vec ws(0.f);
+  with_pow_m1(P.p, [&](auto pw) {
+    row_loop(e, [&](int64_t j, int64_t cnt, auto full) {
+      constexpr bool F = decltype(full)::value;
+      const Vec r = at::vec::maximum(load<F>(a + j, cnt) - mu, zero) * inv;
+      const Vec rp = pw(r);  // r^(p-1) kept for dx; r^p from it with one multiply (as chunked)
+      store<F>(rp, rpm1 + j, cnt);
+      const Vec w = rp * r;  // 0 on the tail's empty lanes (r = 0)
+      store<F>(w, a + j, cnt);
+      ws = ws + w;
+    });
+  });
   st.den = hsum(ws);
-  if (rpm1) {  // the row has signal, so its top key has r = 1 and w > 0 in some lane
-    float bw[Vec::size()], bk[Vec::size()];
-    best.store(bw);
-    best_at.store(bk);
-    int64_t l = 0;
-    for (int64_t m = 1; m < Vec::size(); ++m)
-      if (bw[m] > bw[l]) l = m;
-    st.top = static_cast<int64_t>(bk[l]);
-  }
   return st;
 }
 
@@ -285,32 +381,239 @@ extern "C" void sgemm_(const char* ta, const char* tb, const int* m, const int* 
                        const float* alpha, const float* a, const int* lda, const float* b,
                        const int* ldb, const float* beta, float* c, const int* ldc);
 
-// Row-major C[m x n] (ldc) = beta C + A[m x k] op(B): B is [n x k] (b_t: C = A B^T) or [k x n].
-// BLAS directly (MKL, in libtorch_cpu): the tiled forward makes thousands of small GEMMs, and
-// at::mm's dispatch would cost as much as the arithmetic.
+// Row-major C[m x n] (ldc) = beta C + op(A) op(B): A is [m x k] (a_t: stored [k x m]), B is
+// [n x k] (b_t: C = A B^T) or [k x n]. BLAS directly (MKL, in libtorch_cpu): the tiled forward
+// makes thousands of small GEMMs, and at::mm's dispatch would cost as much as the arithmetic.
 inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, bool b_t, float beta, float* c, int64_t ldc) {
+                 int64_t ldb, bool b_t, float beta, float* c, int64_t ldc, bool a_t = false) {
   const int M = m, N = n, K = k, LA = lda, LB = ldb, LC = ldc;
   const float one = 1.f;
-  // column-major view: C^T (n x m) = op(B)^T A^T
-  sgemm_(b_t ? "T" : "N", "N", &N, &M, &K, &one, b, &LB, a, &LA, &beta, c, &LC);
+  // column-major view: C^T (n x m) = op(B)^T op(A)^T
+  sgemm_(b_t ? "T" : "N", a_t ? "T" : "N", &N, &M, &K, &one, b, &LB, a, &LA, &beta, c, &LC);
 }
 
-// The visibility of row i's keys k0..k0+n-1 as floats into `mf` (nullptr without a mask).
-inline const float* visible_tile(const Problem& P, int64_t bh, int64_t i, int64_t k0, int64_t n,
-                                 float* mf) {
-  if (!P.mask) return nullptr;
-  const bool* m = P.mask_row(bh, i) + k0 * P.ms_k;
-  for (int64_t j = 0; j < n; ++j) mf[j] = m[j * P.ms_k] ? 1.f : 0.f;
-  return mf;
+// ------------------------------------------------------------------ the forward's products
+// Register-blocked, without BLAS: each call of a small GEMM packs its operands again (MKL on a
+// forward at T = 4K: 12% of SDPA's time and 23% of LSSAR's at 64 rows per block, the weights
+// packed for the product with V costing as much as an element-wise pass). Here K is packed once
+// per head, transposed into slabs of NB keys (D x NB floats each); a micro-tile of RB query rows
+// x NB keys accumulates in registers and its epilogue applies the row scale, the softplus, the
+// causal end and the mask before the scores reach memory (one element-wise pass fewer). The
+// product with V reads the weights and V's rows as they are, RB rows x NV vectors at a time.
+constexpr int64_t L = Vec::size();
+constexpr int64_t NB = 2 * L;  // keys per micro-tile
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int RB = 6, NV = 4;  // 32 registers: 12 score or 24 output accumulators
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int RB = 6, NV = 2;  // 16 registers: 12 accumulators either way
+#else
+constexpr int RB = 4, NV = 1;
+#endif
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// K [t_k, D] (row stride ldk) as slabs of NB keys, each D x NB (keys past t_k are 0)
+void pack_keys(const float* k, int64_t ldk, int64_t t_k, int64_t D, float* out) {
+  for (int64_t s = 0; s * NB < t_k; ++s) {
+    float* slab = out + s * D * NB;
+    const int64_t n = std::min(NB, t_k - s * NB);
+    for (int64_t jj = 0; jj < NB; ++jj) {
+      const float* kj = k + (s * NB + jj) * ldk;
+      for (int64_t d = 0; d < D; ++d) slab[d * NB + jj] = jj < n ? kj[d] : 0.f;
+    }
+  }
+}
+
+// The micro-kernels' registers as the compiler's own vector type (arrays of at::vec's class
+// were kept in memory beside the registers: every FMA stored its accumulator)
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;
+inline Reg r_load(const float* p) { return _mm512_loadu_ps(p); }
+inline Reg r_set1(float x) { return _mm512_set1_ps(x); }
+inline Reg r_fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline Reg r_add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+#elif defined(CPU_CAPABILITY_AVX2)
+using Reg = __m256;
+inline Reg r_load(const float* p) { return _mm256_loadu_ps(p); }
+inline Reg r_set1(float x) { return _mm256_set1_ps(x); }
+inline Reg r_fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+inline Reg r_add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+#else
+using Reg = Vec;
+inline Reg r_load(const float* p) { return Vec::loadu(p); }
+inline Reg r_set1(float x) { return Vec(x); }
+inline Reg r_fma(Reg a, Reg b, Reg c) { return at::vec::fmadd(a, b, c); }
+inline Reg r_add(Reg a, Reg b) { return a + b; }
+#endif
+
+// acc[r] = q_r . K_slab (RBn rows of q, row stride ldq; NB keys as two vectors), PAR partial sums
+// over d (d mod PAR) added at the end. A single chain of D FMAs is 1.7x less accurate (rms, D =
+// 64) than the BLAS the reference calls on short rows (which splits such sums, about as 4-8
+// partials do) and p = 15 amplifies that into LSSAR's weights: the forward's errors were 1.3x
+// the reference's in the median over seeds with two partials, 0.8x with four. Four take 3-row
+// tiles (six would not fit the registers) and more loads per FMA, 1.15x the time of two at
+// T = 4K, so rows of fewer than 256 keys get four, longer ones two (BLAS computes those in one
+// chain: two are already more accurate). Not inlined into the epilogue's loop, whose softplus
+// constants would take the registers the partial sums need.
+template <int RBn, int PAR>
+__attribute__((noinline)) void qk_tile(const float* q, int64_t ldq, const float* slab, int64_t D,
+                                       Vec (*acc)[2]) {
+  Reg a[PAR][RBn][2];
+#pragma GCC unroll 8
+  for (int x = 0; x < PAR; ++x)
+#pragma GCC unroll 8
+    for (int r = 0; r < RBn; ++r) a[x][r][0] = a[x][r][1] = r_set1(0.f);
+  int64_t d = 0;
+  for (; d + PAR <= D; d += PAR) {
+#pragma GCC unroll 8
+    for (int x = 0; x < PAR; ++x) {
+      const float* kd = slab + (d + x) * NB;
+      const Reg k0 = r_load(kd), k1 = r_load(kd + L);
+#pragma GCC unroll 8
+      for (int r = 0; r < RBn; ++r) {
+        const Reg b = r_set1(q[r * ldq + d + x]);
+        a[x][r][0] = r_fma(b, k0, a[x][r][0]);
+        a[x][r][1] = r_fma(b, k1, a[x][r][1]);
+      }
+    }
+  }
+  for (; d < D; ++d) {
+    const Reg k0 = r_load(slab + d * NB), k1 = r_load(slab + d * NB + L);
+#pragma GCC unroll 8
+    for (int r = 0; r < RBn; ++r) {
+      const Reg b = r_set1(q[r * ldq + d]);
+      a[0][r][0] = r_fma(b, k0, a[0][r][0]);
+      a[0][r][1] = r_fma(b, k1, a[0][r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RBn; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      Reg t = a[0][r][h];
+#pragma GCC unroll 8
+      for (int x = 1; x < PAR; ++x) t = r_add(t, a[x][r][h]);
+      acc[r][h] = Vec(t);
+    }
+}
+
+// o[r][0, cols) += sum_{j < n} w[r][j] v[j][0, cols) for RBn rows, NVn vectors of columns
+template <int RBn, int NVn, bool full>
+inline void pv_tile(const float* w, int64_t ldw, const float* v, int64_t ldv, int64_t n, float* o,
+                    int64_t ldo, int64_t cols) {
+  Vec acc[RBn][NVn];
+  int64_t cnt[NVn];
+#pragma GCC unroll 8
+  for (int c = 0; c < NVn; ++c) cnt[c] = std::clamp<int64_t>(cols - c * L, 0, L);
+#pragma GCC unroll 8
+  for (int r = 0; r < RBn; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NVn; ++c)
+      acc[r][c] = full ? Vec::loadu(o + r * ldo + c * L) : Vec::loadu(o + r * ldo + c * L, cnt[c]);
+  for (int64_t j = 0; j < n; ++j) {
+    Vec vj[NVn];
+#pragma GCC unroll 8
+    for (int c = 0; c < NVn; ++c)
+      vj[c] = full ? Vec::loadu(v + j * ldv + c * L) : Vec::loadu(v + j * ldv + c * L, cnt[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < RBn; ++r) {
+      const Vec wr(w[r * ldw + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NVn; ++c) acc[r][c] = at::vec::fmadd(wr, vj[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RBn; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NVn; ++c) {
+      if (full) acc[r][c].store(o + r * ldo + c * L);
+      else if (cnt[c] > 0) acc[r][c].store(o + r * ldo + c * L, cnt[c]);
+    }
+}
+
+// o (rows x dv, ldo) += w (rows x n, ldw) v (n x dv, ldv), rows <= RB
+template <int RBn>
+inline void pv_rows(const float* w, int64_t ldw, const float* v, int64_t ldv, int64_t n, float* o,
+                    int64_t ldo, int64_t dv) {
+  int64_t c0 = 0;
+  for (; c0 + NV * L <= dv; c0 += NV * L)
+    pv_tile<RBn, NV, true>(w, ldw, v + c0, ldv, n, o + c0, ldo, NV * L);
+  if (c0 < dv) pv_tile<RBn, NV, false>(w, ldw, v + c0, ldv, n, o + c0, ldo, dv - c0);
+}
+
+// calls fn(std::integral_constant<int, rows>) for rows in 1 .. RB
+template <typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    default: return fn(std::integral_constant<int, 6>{});
+#else
+    default: return fn(std::integral_constant<int, 4>{});
+#endif
+  }
+}
+
+// A micro-block of a query block: RBn rows over one key tile, and what its epilogue needs
+struct Rows {
+  const float* c;    // c_i per row
+  const int64_t* e;  // keys 0 .. e - 1 (absolute) may be visible to the row
+  const float* mf;   // visibility of the tile's keys as floats, row stride `ldm` (or nullptr)
+  int64_t ldm;
+};
+
+// The softplus weights of RBn rows (q, row stride D) over the tile's keys [k0, k0 + jend) into
+// `s` (row stride lds; keys from jend on are not written), from the tile's packed slabs; adds
+// each row's sum and largest value to zsum / amax.
+// PAR (2 or 4) partial sums per score: see qk_tile
+template <int RBn, int PAR>
+void score_tile(const float* q, const float* slabs, int64_t D, int64_t k0, int64_t jend,
+                const Rows& rows, float* s, int64_t lds, float* zsum, float* amax) {
+  Vec acc[RB][2], zs[RB], mx[RB];
+  for (int r = 0; r < RBn; ++r) zs[r] = mx[r] = Vec(0.f);
+  const Vec zero(0.f);
+  for (int64_t jl = 0; jl < jend; jl += NB) {
+    const float* slab = slabs + (k0 + jl) / NB * D * NB;
+    if constexpr (PAR == 2 || RBn <= 3) {
+      qk_tile<RBn, PAR>(q, D, slab, D, acc);
+    } else {  // four partial sums of 6 rows would not fit the registers: 3 rows at a time
+      qk_tile<3, PAR>(q, D, slab, D, acc);
+      qk_tile<RBn - 3, PAR>(q + 3 * D, D, slab, D, acc + 3);
+    }
+    for (int r = 0; r < RBn; ++r) {
+      const int64_t lim = std::min(rows.e[r] - k0, jend) - jl;  // visible lanes (causal end)
+      float* out = s + r * lds + jl;
+      const Vec cv(rows.c[r]);
+      for (int h = 0; h < 2; ++h) {
+        Vec a = softplus(acc[r][h] * cv);
+        const int64_t cnt = lim - h * L;
+        if (rows.mf) a = Vec::blendv(zero, a, Vec::loadu(rows.mf + r * rows.ldm + jl + h * L) > zero);
+        if (cnt < L) a = cnt > 0 ? Vec::set(zero, a, cnt) : zero;  // select: inf / NaN not read
+        a.store(out + h * L);
+        zs[r] = zs[r] + a;
+        mx[r] = at::vec::maximum(mx[r], a);
+      }
+    }
+  }
+  for (int r = 0; r < RBn; ++r) {
+    zsum[r] += hsum(zs[r]);
+    amax[r] = std::max(amax[r], hmax(mx[r]));
+  }
 }
 
 // out [BH, T_q, Dv]; returns (out, any_underflow).
 //
-// Tiled over keys as well as query rows, so a block's scores, K tile and V tile stay in L2 at
-// every length: LSSA in one pass (its normaliser is a plain sum, so tiles simply add up), LSSAR
-// in two (Z_i and max_j a_ij over the key tiles first, then the weights r^p and their products
-// with V; the scores are recomputed, one GEMM more, as docs/method.md section 5 counts).
+// Tiled over query rows (blocks of `rows`) and keys (tiles of `key_tile`, rounded up to NB), so
+// a tile's packed K and its V stay in L2 while every micro-block of the block's rows uses them.
+// LSSA in one pass (its normaliser is a plain sum, so tiles simply add up): per tile and
+// micro-block the weights, then their product with V. LSSAR in two passes over the block's rows
+// of softplus values, kept between them (rows x T_k floats, written once and read once): pass 1
+// per tile the weights into the kept rows (Z_i, max_j a_ij), pass 2 per tile the weights r^p in
+// place and their product with V. No score is computed twice.
 std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const c10::optional<at::Tensor>& mask, int64_t H,
                                      bool causal, double scale, bool log_n, double p,
@@ -321,7 +624,8 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
   check(v, "v");
   const Problem P = make_problem(q.size(0), H, q.size(1), k.size(1), q.size(2), v.size(2), mask,
                                  causal, scale, log_n, p, min_keys, tol, rows);
-  const int64_t KT = std::max<int64_t>(1, key_tile), D = P.d, DV = P.dv;
+  const int64_t KT = round_up(std::max<int64_t>(1, key_tile), NB), D = P.d, DV = P.dv;
+  const bool short_rows = P.t_k < 256;  // four partial sums per score (qk_tile)
   auto out = at::zeros({P.BH, P.t_q, DV}, q.options());
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
   const float* qp = q.data_ptr<float>();
@@ -331,91 +635,139 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
   std::atomic<bool> underflow{false};
   at::parallel_for(0, P.BH * n_blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t RR = P.rows;
-    std::vector<float> sbuf(RR * KT), mfb(KT), c(RR), n(RR), z(RR), amax(RR), mu(RR), inv(RR),
-        den(RR);
+    std::vector<float> slabs(round_up(P.t_k, NB) * D), mfb(RB * KT), n(RR), z(RR), amax(RR),
+        mu(RR), inv(RR), den(RR), c(RR);
+    std::vector<float> buf;  // LSSA: a micro-block's weights; LSSAR: the block's kept rows
+    std::vector<int64_t> ends(RR);
     std::vector<char> has(RR);
+    int64_t packed = -1;  // the head whose keys `slabs` holds
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / n_blocks, i0 = (task % n_blocks) * RR;
       const int64_t i1 = std::min(P.t_q, i0 + RR), R = i1 - i0;
       const int64_t e_blk = P.row_end(i1 - 1);
       if (e_blk == 0) continue;
+      if (packed != bh) {
+        pack_keys(kp + bh * P.t_k * D, D, P.t_k, D, slabs.data());
+        packed = bh;
+      }
       const float* qb = qp + (bh * P.t_q + i0) * D;
-      const float* kb = kp + bh * P.t_k * D;
       const float* vb = vp + bh * P.t_k * DV;
       float* ob = op + (bh * P.t_q + i0) * DV;
       for (int64_t r = 0; r < R; ++r) {
         n[r] = P.count(bh, i0 + r);
         c[r] = P.row_scale(n[r]);
-        z[r] = 0.f;
-        amax[r] = 0.f;
-        den[r] = 0.f;
+        ends[r] = P.row_end(i0 + r);
+        z[r] = amax[r] = den[r] = 0.f;
       }
-      // stage 0: row statistics (and, with one key tile, the softplus values kept in sbuf);
-      // 1: LSSA weights into the output; 2: LSSAR weights (from the kept values if one tile)
-      const bool one_tile = e_blk <= KT;
-      auto tiles = [&](int stage) {
-        const Vec zero(0.f);
-        for (int64_t k0 = 0; k0 < e_blk; k0 += KT) {
-          const int64_t kt = std::min(KT, e_blk - k0);
-          const bool kept = stage == 2 && one_tile;  // sbuf holds a_ij already
-          if (!kept) gemm(R, kt, D, qb, D, kb + k0 * D, D, true, 0.f, sbuf.data(), kt);
-          for (int64_t r = 0; r < R; ++r) {
-            float* row = sbuf.data() + r * kt;
-            const int64_t vis = std::clamp<int64_t>(P.row_end(i0 + r) - k0, 0, kt);
-            const float* mf = visible_tile(P, bh, i0 + r, k0, vis, mfb.data());
-            const Vec cv(c[r]), muv(mu[r]), iv(inv[r]);
-            const bool rw = stage == 2 && has[r];
-            Vec zs(0.f), mx(0.f);
-            for (int64_t j = 0; j < vis; j += Vec::size()) {
-              const int64_t cnt = std::min<int64_t>(Vec::size(), vis - j);
-              const Vec ok = lanes(mf, j, vis);
-              const Vec a = kept ? Vec::loadu(row + j, cnt)
-                                 : Vec::blendv(zero, softplus(Vec::loadu(row + j, cnt) * cv), ok);
-              if (stage == 0) {
-                zs = zs + a;
-                mx = at::vec::maximum(mx, a);
-                if (one_tile) a.store(row + j, cnt);
-              } else if (rw) {
-                const Vec w = vpow(at::vec::maximum(a - muv, zero) * iv, P.p);  // 0 if masked
-                w.store(row + j, cnt);
-                zs = zs + Vec::set(zero, w, cnt);
-              } else {
-                a.store(row + j, cnt);
-                zs = zs + a;
-              }
-            }
-            for (int64_t j = vis; j < kt; ++j) row[j] = 0.f;  // causal tail: never visible
-            if (stage == 0) {
-              z[r] += hsum(zs);
-              amax[r] = std::max(amax[r], hmax(mx));
-            } else {
-              den[r] += hsum(zs);
-            }
-          }
-          if (stage != 0) gemm(R, DV, kt, sbuf.data(), kt, vb + k0 * DV, DV, false, 1.f, ob, DV);
+      const int64_t ld = P.reweight ? round_up(e_blk, NB) : KT;  // row stride of buf
+      const int64_t need = P.reweight ? R * ld : RB * KT;
+      if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+      // micro-block m0 (RBn rows) over tile k0: its rows, and the keys any of them may see
+      auto rows_of = [&](int64_t m0, int64_t rn, int64_t k0, int64_t kt) {
+        Rows rs{c.data() + m0, ends.data() + m0, nullptr, KT};
+        if (P.mask) {
+          for (int64_t r = 0; r < rn; ++r)
+            visible_keys(P, bh, i0 + m0 + r, k0, kt, mfb.data() + r * KT);
+          rs.mf = mfb.data();
         }
+        const int64_t last = *std::max_element(ends.begin() + m0, ends.begin() + m0 + rn);
+        return std::make_pair(rs, std::clamp<int64_t>(last - k0, 0, kt));
       };
+      for (int64_t k0 = 0; k0 < e_blk; k0 += KT) {  // LSSA: the output; LSSAR: pass 1
+        const int64_t kt = std::min(KT, e_blk - k0);
+        for (int64_t m0 = 0; m0 < R; m0 += RB) {
+          const int64_t rn = std::min<int64_t>(RB, R - m0);
+          const auto [rs, jend] = rows_of(m0, rn, k0, kt);
+          if (jend == 0) continue;
+          float* s = P.reweight ? buf.data() + m0 * ld + k0 : buf.data();
+          with_rows(rn, [&](auto RBn) {
+            constexpr int rb = decltype(RBn)::value;
+            if (short_rows)
+              score_tile<rb, 4>(qb + m0 * D, slabs.data(), D, k0, jend, rs, s, ld, z.data() + m0,
+                                amax.data() + m0);
+            else
+              score_tile<rb, 2>(qb + m0 * D, slabs.data(), D, k0, jend, rs, s, ld, z.data() + m0,
+                                amax.data() + m0);
+            if (!P.reweight)
+              pv_rows<decltype(RBn)::value>(s, ld, vb + k0 * DV, DV, jend, ob + m0 * DV, DV, DV);
+          });
+        }
+      }
       if (!P.reweight) {
-        tiles(1);  // den = Z
+        for (int64_t r = 0; r < R; ++r) den[r] = z[r];
       } else {
-        tiles(0);
         for (int64_t r = 0; r < R; ++r) {
           const Reweight rw = reweight_stats(P, n[r], z[r], amax[r]);
           mu[r] = rw.mu;
           has[r] = rw.has;
           inv[r] = rw.has ? 1.f / rw.x_max : 0.f;
-          if (z[r] == 0.f && n[r] > 0.f) underflow = true;
+          if (!rw.has) den[r] = z[r];  // uniform up to rounding: the LSSA weights a / Z
         }
-        tiles(2);  // rows without `has` (uniform up to rounding) get the LSSA weights a / Z
+        with_pow(P.p, [&](auto pw) {  // pass 2
+          for (int64_t k0 = 0; k0 < e_blk; k0 += KT) {
+            const int64_t kt = std::min(KT, e_blk - k0);
+            for (int64_t m0 = 0; m0 < R; m0 += RB) {
+              const int64_t rn = std::min<int64_t>(RB, R - m0);
+              const int64_t last = *std::max_element(ends.begin() + m0, ends.begin() + m0 + rn);
+              const int64_t jend = std::clamp<int64_t>(last - k0, 0, kt);
+              if (jend == 0) continue;
+              float* w = buf.data() + m0 * ld + k0;
+              for (int64_t r = 0; r < rn; ++r)
+                if (has[m0 + r]) den[m0 + r] += sharpen_row(w + r * ld, jend, mu[m0 + r], inv[m0 + r], pw);
+              with_rows(rn, [&](auto RBn) {
+                pv_rows<decltype(RBn)::value>(w, ld, vb + k0 * DV, DV, jend, ob + m0 * DV, DV, DV);
+              });
+            }
+          }
+        });
       }
       for (int64_t r = 0; r < R; ++r) {
-        if (!P.reweight && den[r] == 0.f && n[r] > 0.f) underflow = true;
+        if (z[r] == 0.f && n[r] > 0.f) underflow = true;
         const float d = den[r] > 0.f ? den[r] : 1.f, iv = 1.f / d;
         for (int64_t x = 0; x < DV; ++x) ob[r * DV + x] *= iv;
       }
     }
   });
   return {out, underflow.load()};
+}
+
+// The backward's element-wise work on one row between the GEMMs: dP / den in `dp` (over the
+// row's keys [0, e)) becomes c_i dS (0 on masked keys and on [e, e_blk)).
+template <bool Masked>
+void score_grads(const Problem& P, const RowStats& st, const float* mf, const float* w,
+                 const float* sg, const float* rp, float* dp, int64_t e, int64_t e_blk) {
+  const Vec zero(0.f);
+  const bool rw = P.reweight && st.has;
+  // re-weighted rows: dP - D taken about the top key's dP (chunked.py says why: a nearly one-hot
+  // row would cancel dP_top against D); 0 leaves LSSA rows as they were
+  const Vec shift(rw ? dp[st.top] : 0.f);
+  Vec wdv(0.f);  // D_i / den from the same slab (exact cancellation on one-key rows)
+  row_loop(e, [&](int64_t j, int64_t cnt, auto full) {
+    constexpr bool F = decltype(full)::value;
+    wdv = at::vec::fmadd(load<F>(w + j, cnt), load<F>(dp + j, cnt) - shift, wdv);
+  });
+  const Vec D(hsum(wdv) / st.den), cv(st.c);
+  float fn = 0.f;
+  if (rw) {  // dx = p r^(p-1) (dP - D) / x_max, stored over dp; F_i its row sum
+    const Vec kp(P.p / st.x_max);
+    Vec fs(0.f);
+    row_loop(e, [&](int64_t j, int64_t cnt, auto full) {
+      constexpr bool F = decltype(full)::value;
+      const Vec dx = load<F>(rp + j, cnt) * (load<F>(dp + j, cnt) - shift - D) * kp;
+      store<F>(dx, dp + j, cnt);
+      fs = fs + visible<Masked, F>(dx, mf, j, cnt);
+    });
+    if (st.big) fn = hsum(fs) / std::max(st.n, 1.f);
+  }
+  // dS = (dx - F_i / N_i) sigmoid(s), times c_i (so dk gets sum_i c_i dS_ij q_i); LSSA
+  // rows: dx = dP - D
+  const Vec fv(rw ? fn : 0.f), sub = rw ? fv : D;
+  row_loop(e, [&](int64_t j, int64_t cnt, auto full) {
+    constexpr bool F = decltype(full)::value;
+    const Vec ds = (load<F>(dp + j, cnt) - sub) * load<F>(sg + j, cnt) * cv;
+    store<F>(visible<Masked, F>(ds, mf, j, cnt), dp + j, cnt);
+  });
+  std::fill(dp + e, dp + e_blk, 0.f);
 }
 
 // grad [BH, T_q, Dv] -> (dq, dk, dv, any_underflow)
@@ -431,12 +783,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
                                  causal, scale, log_n, p, min_keys, tol, rows);
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dvv = at::zeros_like(v);
   std::atomic<bool> underflow{false};
-  const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
+  const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows, D = P.d, DV = P.dv;
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(),
+              *gp = grad.data_ptr<float>();
+  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> gbuf, wbuf, dbuf, rbuf, gden, mfb(P.rows * P.t_k);
+    std::vector<float> gbuf, wbuf, dbuf, rbuf, gden(P.rows * DV), mfb(P.rows * P.t_k);
     std::vector<RowStats> stats(P.rows);
     std::vector<const float*> mfs(P.rows);
     for (int64_t bh = begin; bh < end; ++bh) {
+      const float* kb = kp + bh * P.t_k * D;
+      const float* vb = vp + bh * P.t_k * DV;
       for (int64_t blk = 0; blk < n_blocks; ++blk) {
         const int64_t i0 = blk * P.rows, i1 = std::min(P.t_q, i0 + P.rows), R = i1 - i0;
         const int64_t e_blk = P.row_end(i1 - 1);
@@ -445,175 +802,277 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
         wbuf.resize(R * e_blk);
         dbuf.resize(R * e_blk);
         if (P.reweight) rbuf.resize(R * e_blk);
-        gden.resize(R * P.dv);
-        auto G = at::from_blob(gbuf.data(), {R, e_blk}, q.options());
-        auto W = at::from_blob(wbuf.data(), {R, e_blk}, q.options());
-        auto DP = at::from_blob(dbuf.data(), {R, e_blk}, q.options());
-        auto GD = at::from_blob(gden.data(), {R, P.dv}, q.options());
-        auto qb = q[bh].narrow(0, i0, R), kb = k[bh].narrow(0, 0, e_blk),
-             vb = v[bh].narrow(0, 0, e_blk);
-        at::mm_out(G, qb, kb.t());
-        const float* gp = grad[bh].narrow(0, i0, R).data_ptr<float>();
+        const float* qb = qp + (bh * P.t_q + i0) * D;
+        const float* gb = gp + (bh * P.t_q + i0) * DV;
+        gemm(R, e_blk, D, qb, D, kb, D, true, 0.f, gbuf.data(), e_blk);  // cosines
         for (int64_t r = 0; r < R; ++r) {
           const int64_t e = P.row_end(i0 + r);
           float n;
-          mfs[r] = visible_row(P, bh, i0 + r, e, mfb.data() + r * P.t_k, n);
+          mfs[r] = visible_keys(P, bh, i0 + r, 0, e, mfb.data() + r * P.t_k, &n);
           float* g = gbuf.data() + r * e_blk;  // cosines in, sigmoid(s) out
-          stats[r] = row_weights(P, n, mfs[r], g, wbuf.data() + r * e_blk, e, e_blk, g,
-                                 P.reweight ? rbuf.data() + r * e_blk : nullptr);
+          float* w = wbuf.data() + r * e_blk;
+          float* rp = P.reweight ? rbuf.data() + r * e_blk : nullptr;
+          stats[r] = mfs[r] ? row_weights<true>(P, n, mfs[r], g, w, e, e_blk, rp)
+                            : row_weights<false>(P, n, mfs[r], g, w, e, e_blk, rp);
           if (stats[r].underflow) underflow = true;
           const float inv = 1.f / stats[r].den;
-          for (int64_t c = 0; c < P.dv; ++c) gden[r * P.dv + c] = gp[r * P.dv + c] * inv;
+          for (int64_t c = 0; c < DV; ++c) gden[r * DV + c] = gb[r * DV + c] * inv;
         }
-        at::mm_out(DP, GD, vb.t());  // dP / den
+        gemm(R, e_blk, DV, gden.data(), DV, vb, DV, true, 0.f, dbuf.data(), e_blk);  // dP / den
         for (int64_t r = 0; r < R; ++r) {
-          const RowStats& st = stats[r];
-          const int64_t e = P.row_end(i0 + r);
-          const float* sg = gbuf.data() + r * e_blk;  // sigmoid(s_ij), from row_weights
-          const float* w = wbuf.data() + r * e_blk;
           float* dp = dbuf.data() + r * e_blk;
-          const float* mf = mfs[r];
-          if (st.n == 0.f) {
+          if (stats[r].n == 0.f) {
             std::fill(dp, dp + e_blk, 0.f);
             continue;
           }
-          const bool rw = P.reweight && st.has;
-          // re-weighted rows: dP - D taken about the top key's dP (chunked.py says why: a
-          // nearly one-hot row would cancel dP_top against D); 0 leaves LSSA rows as they were
-          const Vec shift(rw ? dp[st.top] : 0.f);
-          Vec wdv(0.f);  // D_i / den from the same slab (exact cancellation on one-key rows)
-          for (int64_t j = 0; j < e; j += Vec::size()) {
-            const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
-            wdv = wdv + Vec::loadu(w + j, cnt) * (Vec::loadu(dp + j, cnt) - shift);
-          }
-          const Vec D(hsum(wdv) / st.den), cv(st.c), zero(0.f);
-          float fn = 0.f;
-          if (rw) {  // dx = p r^(p-1) (dP - D) / x_max, stored over dp; F_i its row sum
-            const Vec kp(P.p / st.x_max);
-            const float* rp = rbuf.data() + r * e_blk;  // r^(p-1), 0 on masked keys
-            Vec fs(0.f);
-            for (int64_t j = 0; j < e; j += Vec::size()) {
-              const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
-              const Vec ok = lanes(mf, j, e);
-              const Vec dx =
-                  Vec::loadu(rp + j, cnt) * (Vec::loadu(dp + j, cnt) - shift - D) * kp;
-              dx.store(dp + j, cnt);
-              fs = fs + Vec::blendv(zero, dx, ok);
-            }
-            if (st.big) fn = hsum(fs) / std::max(st.n, 1.f);
-          } else {
-            for (int64_t j = 0; j < e; j += Vec::size()) {
-              const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
-              (Vec::loadu(dp + j, cnt) - D).store(dp + j, cnt);
-            }
-          }
-          // dS = (dx - F_i / N_i) sigmoid(s), times c_i (so dk gets sum_i c_i dS_ij q_i)
-          const Vec fv(fn);
-          for (int64_t j = 0; j < e; j += Vec::size()) {
-            const int64_t cnt = std::min<int64_t>(Vec::size(), e - j);
-            const Vec ok = lanes(mf, j, e);
-            const Vec ds = (Vec::loadu(dp + j, cnt) - fv) * Vec::loadu(sg + j, cnt) * cv;
-            Vec::blendv(zero, ds, ok).store(dp + j, cnt);
-          }
-          for (int64_t j = e; j < e_blk; ++j) dp[j] = 0.f;
+          const int64_t e = P.row_end(i0 + r);
+          const float* w = wbuf.data() + r * e_blk;
+          const float* sg = gbuf.data() + r * e_blk;  // sigmoid(s_ij), from row_weights
+          const float* rp = P.reweight ? rbuf.data() + r * e_blk : nullptr;  // r^(p-1)
+          if (mfs[r])
+            score_grads<true>(P, stats[r], mfs[r], w, sg, rp, dp, e, e_blk);
+          else
+            score_grads<false>(P, stats[r], mfs[r], w, sg, rp, dp, e, e_blk);
         }
         // dv += W^T (g / den); dq = (c dS) K; dk += (c dS)^T q
-        dvv[bh].narrow(0, 0, e_blk).addmm_(W.t(), GD);
-        auto dqb = dq[bh].narrow(0, i0, R);
-        at::mm_out(dqb, DP, kb);
-        dk[bh].narrow(0, 0, e_blk).addmm_(DP.t(), qb);
+        gemm(e_blk, DV, R, wbuf.data(), e_blk, gden.data(), DV, false, 1.f,
+             dvp + bh * P.t_k * DV, DV, true);
+        gemm(R, D, e_blk, dbuf.data(), e_blk, kb, D, false, 0.f, dqp + (bh * P.t_q + i0) * D, D);
+        gemm(e_blk, D, R, dbuf.data(), e_blk, qb, D, false, 1.f, dkp + bh * P.t_k * D, D, true);
       }
     }
   });
   return {dq, dk, dvv, underflow.load()};
 }
 
-// out [R, DV] = W [R, kt] (row stride lda) times V [kt, DV] (row stride ldv), reading only the
-// rows of V with a nonzero weight in some row of W: masked keys (and keys LSSAR zeroes) are never
-// read, so padding there may hold anything, NaN included, as in the forward's select.
-inline void weights_v(int64_t R, int64_t kt, const float* w, int64_t lda, const float* v,
-                      int64_t ldv, int64_t DV, float* out) {
-  std::fill(out, out + R * DV, 0.f);
-  for (int64_t j = 0; j < kt; ++j) {
-    const float* vj = v + j * ldv;
-    for (int64_t r = 0; r < R; ++r) {
-      const float x = w[r * lda + j];
-      if (x == 0.f) continue;
-      const Vec xv(x);
-      float* o = out + r * DV;
-      for (int64_t y = 0; y < DV; y += Vec::size()) {
-        const int64_t cnt = std::min<int64_t>(Vec::size(), DV - y);
-        at::vec::fmadd(xv, Vec::loadu(vj + y, cnt), Vec::loadu(o + y, cnt)).store(o + y, cnt);
-      }
-    }
-  }
-}
-
-// n rows of d values (row stride ld) of a half-precision cache, as float32 into dst [n, d]
+// ---------------------------------------------------------------------------- the decode step
+// A cache's rows as float32 vectors, converted in registers as they are loaded (bf16: the bits
+// shifted into a float's high half; fp16: the F16C conversion), cnt < L lanes on a row's tail
 template <typename T>
-void rows_to_float(const T* src, int64_t n, int64_t d, int64_t ld, float* dst) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t x = 0; x < d; ++x) dst[i * d + x] = static_cast<float>(src[i * ld + x]);
+inline Vec load_f32(const T* p, int64_t cnt = L) {
+  if constexpr (std::is_same_v<T, float>) {
+    return cnt == L ? Vec::loadu(p) : Vec::loadu(p, cnt);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    if (cnt == L) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      else
+        return _mm512_cvtph_ps(h);
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if (cnt == L) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      else
+        return _mm256_cvtph_ps(h);
+    }
+#endif
+    float buf[L] = {};
+    for (int64_t i = 0; i < cnt; ++i) buf[i] = static_cast<float>(p[i]);
+    return Vec::loadu(buf);
+  }
 }
 
-// Rows j0 .. j0 + n - 1 of head `u` (= b H + h) of a [B, H, T, d] cache as float32: the cache
-// itself (float32: no copy), or the rows converted into `buf` (bf16, fp16). Returns the rows
-// and their stride.
-struct CacheRows {
-  const char* base;
-  at::ScalarType type;
-  int64_t H, s0, s1, s2, d, esize;
-  CacheRows(const at::Tensor& t)
-      : base(static_cast<const char*>(t.data_ptr())), type(t.scalar_type()), H(t.size(1)),
-        s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), d(t.size(3)),
-        esize(t.element_size()) {}
-  std::pair<const float*, int64_t> at(int64_t u, int64_t j0, int64_t n, float* buf) const {
-    const char* p = base + ((u / H) * s0 + (u % H) * s1 + j0 * s2) * esize;
-    if (type == at::kFloat) return {reinterpret_cast<const float*>(p), s2};
-    if (type == at::kBFloat16)
-      rows_to_float(reinterpret_cast<const at::BFloat16*>(p), n, d, s2, buf);
-    else
-      rows_to_float(reinterpret_cast<const at::Half*>(p), n, d, s2, buf);
-    return {buf, d};
+// lane j of the result = the sum of v[j]'s lanes: L horizontal sums at once, by a transposing
+// tree of shuffles and adds (AVX-512: 45 instructions for 16 sums; one horizontal sum alone takes
+// about 8)
+inline Vec sum_lanes(Vec (&v)[L]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   }
-};
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of v[4i .. 4i + 3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 t[4], u[2];
+  for (int i = 0; i < 4; ++i) t[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) u[i] = _mm256_hadd_ps(t[2 * i], t[2 * i + 1]);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
+                       _mm256_permute2f128_ps(u[0], u[1], 0x31));
+#else
+  float s[L];
+  for (int64_t i = 0; i < L; ++i) s[i] = hsum(v[i]);
+  return Vec::loadu(s);
+#endif
+}
+
+// 1 / ||k|| of one key, scaled by its largest magnitude first (as common.unit does), 0 for a
+// zero or non-finite key (cosine 0 with every query): the rare keys whose squares over- or
+// underflow float32
+inline float robust_inv_norm(const float* k, int64_t d) {
+  float big = 0.f;
+  for (int64_t x = 0; x < d; ++x) big = std::max(big, std::abs(k[x]));
+  if (!(big > 0.f) || !std::isfinite(big)) return 0.f;
+  float ss = 0.f;
+  for (int64_t x = 0; x < d; ++x) ss += (k[x] / big) * (k[x] / big);
+  const float nrm = std::sqrt(ss) * big;
+  return nrm > 0.f && std::isfinite(nrm) ? 1.f / nrm : 0.f;
+}
+
+// A block of nk <= L keys (rows of a cache, stride ldk) as float32 rows of D (`buf`, or the
+// cache itself when it is float32)
+template <typename T>
+inline const float* keys_f32(const T* k, int64_t ldk, int64_t nk, int64_t D, float* buf,
+                             int64_t& ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    ld = ldk;
+    return k;
+  } else {
+    ld = D;
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t x = 0; x < D; x += L) {
+        const int64_t cnt = std::min<int64_t>(L, D - x);
+        const Vec y = load_f32(k + j * ldk + x, cnt);
+        if (cnt == L) y.store(buf + j * D + x);
+        else y.store(buf + j * D + x, cnt);
+      }
+    return buf;
+  }
+}
+
+// lane j: a . k_j over D for the block's nk keys (0 on the other lanes)
+inline Vec dot_lanes(const float* a, const float* kb, int64_t ld, int64_t nk, int64_t D) {
+  Vec acc[L];
+  for (int64_t j = 0; j < L; ++j) {
+    Vec s(0.f);
+    if (j < nk)
+      for (int64_t x = 0; x < D; x += L) {
+        const int64_t cnt = std::min<int64_t>(L, D - x);
+        s = at::vec::fmadd(cnt == L ? Vec::loadu(a + x) : Vec::loadu(a + x, cnt),
+                           cnt == L ? Vec::loadu(kb + j * ld + x) : Vec::loadu(kb + j * ld + x, cnt), s);
+      }
+    acc[j] = s;
+  }
+  return sum_lanes(acc);
+}
+
+// 1 / ||k_j|| of the block's keys: one sum of squares per key, summed L keys at a time; keys
+// whose squares leave [1e-30, 1e30] go to robust_inv_norm
+inline Vec inv_norms(const float* kb, int64_t ld, int64_t nk, int64_t D) {
+  Vec acc[L];
+  for (int64_t j = 0; j < L; ++j) {
+    Vec s(0.f);
+    if (j < nk)
+      for (int64_t x = 0; x < D; x += L) {
+        const int64_t cnt = std::min<int64_t>(L, D - x);
+        const Vec y = cnt == L ? Vec::loadu(kb + j * ld + x) : Vec::loadu(kb + j * ld + x, cnt);
+        s = at::vec::fmadd(y, y, s);
+      }
+    acc[j] = s;
+  }
+  const Vec ss = sum_lanes(acc);
+  Vec inv = Vec(1.f) / ss.sqrt();
+  float sv[L], iv[L];
+  ss.store(sv);
+  bool odd = false;
+  for (int64_t j = 0; j < nk; ++j) odd |= !(sv[j] >= 1e-30f && sv[j] <= 1e30f);
+  if (odd) {
+    inv.store(iv);
+    for (int64_t j = 0; j < nk; ++j)
+      if (!(sv[j] >= 1e-30f && sv[j] <= 1e30f)) iv[j] = robust_inv_norm(kb + j * ld, D);
+    inv = Vec::loadu(iv);
+  }
+  return inv;
+}
+
+// V's row as float32 vectors where its weight is nonzero, and zeros without reading memory where
+// it is 0 (AVX-512: masked loads, which neither fault nor read; else a branch): masked keys (and
+// keys LSSAR zeroes) are never read, so padding there may hold anything, NaN included, as in the
+// forward's select. Branch-free where the ISA allows: LSSAR zeroes about half the keys in no
+// pattern a branch predictor could follow.
+template <typename T>
+inline Vec load_if(const T* p, int64_t cnt, bool keep) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __mmask16 m = keep ? static_cast<__mmask16>((1u << cnt) - 1u) : 0;
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else
+      return _mm512_cvtph_ps(h);
+  }
+#else
+  return keep ? load_f32(p, cnt) : Vec(0.f);
+#endif
+}
+
+// out [R, DV] = W [R, kt] (row stride ldw) times V [kt, DV] (row stride ldv, a cache's rows,
+// converted as they are loaded), reading only the rows of V with a nonzero weight (load_if)
+template <typename T>
+void weights_v(int64_t R, int64_t kt, const float* w, int64_t ldw, const T* v, int64_t ldv,
+               int64_t DV, float* out) {
+  constexpr int64_t C = 4;  // vectors of a row's output in registers
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c0 = 0; c0 < DV; c0 += C * L) {
+      Vec acc[C];
+      int64_t cnt[C];
+      for (int64_t c = 0; c < C; ++c) {
+        acc[c] = Vec(0.f);
+        cnt[c] = std::clamp<int64_t>(DV - c0 - c * L, 0, L);
+      }
+      const int64_t nv = (std::min<int64_t>(C * L, DV - c0) + L - 1) / L;
+      for (int64_t j = 0; j < kt; ++j) {
+        const float x = w[r * ldw + j];
+        const T* vj = v + j * ldv + c0;
+#if !defined(CPU_CAPABILITY_AVX512)
+        if (x == 0.f) continue;
+#endif
+        const Vec xv(x);
+        if (nv == C) {
+#pragma GCC unroll 4
+          for (int64_t c = 0; c < C; ++c)
+            acc[c] = at::vec::fmadd(xv, load_if(vj + c * L, cnt[c], x != 0.f), acc[c]);
+        } else {
+          for (int64_t c = 0; c < nv; ++c)
+            acc[c] = at::vec::fmadd(xv, load_if(vj + c * L, cnt[c], x != 0.f), acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < nv; ++c)
+        if (cnt[c] == L) acc[c].store(out + r * DV + c0 + c * L);
+        else acc[c].store(out + r * DV + c0 + c * L, cnt[c]);
+    }
+}
 
 // A decode step: T_q (a few) new queries of every head against a long cache of T_k keys, no
 // gradient. q [B, H_q, T_q, D] float32 contiguous (unit vectors when `norm_k`); k [B, H_k, T_k, D]
 // and v [B, H_k, T_k, Dv] views with unit last stride (a KV cache's buffers, read in place: no
-// copy), float32, or bf16 / fp16 converted chunk by chunk as they are read; H_q = G H_k (GQA: a
+// copy), float32, or bf16 / fp16 converted in registers as they are read; H_q = G H_k (GQA: a
 // kv head's G query heads share each read of its keys).
-// `norm_k`: the keys are divided by their norms here, as they are read (scaled by their largest
-// magnitude first, as common.unit does), so a step reads each key once instead of normalising
-// the whole cache first. Keys are cut into chunks of `chunk`, each (b, kv head, chunk) one task,
-// so one head's long cache keeps every thread busy (split-K):
-//   pass 1 (over K): scores by BLAS on the raw keys, the row scale and the key's inverse norm,
-//     softplus kept in a [B H_k, G T_q, T_k] buffer (1/D of K's size per query row); per-chunk
-//     Z_i and max_j a_ij (and, for LSSA, the chunk's A V);
+// `norm_k`: the scores are divided by the keys' norms: `k_inv` [B, H_k, T_k] (unit last stride)
+// when the cache keeps them (computed once, when a key enters it), else computed here from the
+// keys as they are read (L keys' sums of squares at once). Keys are cut into chunks of `chunk`,
+// each (b, kv head, chunk) one task, so one head's long cache keeps every thread busy (split-K):
+//   pass 1 (over K): per block of L keys their dot products with the rows' queries (L at once),
+//     times the row scale and the keys' inverse norms, softplus kept in a [B H_k, G T_q, T_k]
+//     buffer (1/D of K's size per query row); per-chunk Z_i and max_j a_ij (and, for LSSA, the
+//     chunk's A V);
 //   pass 2 (over V, LSSAR only): the weights r^p from the kept values and the chunk's W V.
 // Masked keys are never read into a result (scores by select, values only where a weight is
 // nonzero: weights_v), so the host need not zero the padding of the cache first.
 // The chunks' sums are added in chunk order. Returns (out [B, H_q, T_q, Dv], any_underflow).
-std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const c10::optional<at::Tensor>& mask, bool causal,
-                                    double scale, bool log_n, bool norm_k, double p,
-                                    double min_keys, double tol, int64_t chunk) {
-  for (auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
-                "decode takes CPU tensors [B, H, T, D] with unit last stride");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "decode: q must be contiguous float32");
-  const auto kv_type = k.scalar_type();
-  TORCH_CHECK(v.scalar_type() == kv_type && (kv_type == at::kFloat || kv_type == at::kBFloat16 ||
-                                             kv_type == at::kHalf),
-              "decode: k and v must share one of float32, bfloat16, float16");
+template <typename T>
+std::tuple<at::Tensor, bool> decode_impl(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const c10::optional<at::Tensor>& k_inv,
+                                         const c10::optional<at::Tensor>& mask, bool causal,
+                                         double scale, bool log_n, bool norm_k, double p,
+                                         double min_keys, double tol, int64_t chunk) {
   const int64_t B = q.size(0), HQ = q.size(1), TQ = q.size(2), D = q.size(3);
   const int64_t HK = k.size(1), TK = k.size(2), DV = v.size(3);
-  TORCH_CHECK(HQ % HK == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == HK &&
-                  v.size(2) == TK && k.size(3) == D,
-              "decode: shapes of q, k, v do not agree");
   const int64_t G = HQ / HK, R = G * TQ, U = B * HK;  // rows per kv head, units (b, kv head)
-  const int64_t CH = std::max<int64_t>(1, chunk), NC = (TK + CH - 1) / CH;
+  const int64_t CH = round_up(std::max<int64_t>(1, chunk), L), NC = (TK + CH - 1) / CH;
   // the row rules (ends, counts, scales, re-weighting) as the forward's, per query head
   const Problem P = make_problem(B * HQ, HQ, TQ, TK, D, DV, mask, causal, scale, log_n, p,
                                  min_keys, tol, 1);
@@ -633,61 +1092,63 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
   const float* qp = q.data_ptr<float>();
   float* ap = kept.data_ptr<float>();
   float* pp = part.data_ptr<float>();
-  const CacheRows keys(k), values(v);
-  const bool half = kv_type != at::kFloat;
+  const T* kp = static_cast<const T*>(k.data_ptr());
+  const T* vp = static_cast<const T*>(v.data_ptr());
+  // the first key / value of unit u, and the inverse norms given with the cache
+  auto key0 = [&](int64_t u) { return kp + (u / HK) * k.stride(0) + (u % HK) * k.stride(1); };
+  auto value0 = [&](int64_t u) { return vp + (u / HK) * v.stride(0) + (u % HK) * v.stride(1); };
+  const float* ip = k_inv.has_value() ? k_inv->data_ptr<float>() : nullptr;
+  auto inv0 = [&](int64_t u) {
+    return ip + (u / HK) * k_inv->stride(0) + (u % HK) * k_inv->stride(1);
+  };
+  const int64_t ldk = k.stride(2), ldv = v.stride(2);
   at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> inv(CH), mfb(CH), kbuf(half ? CH * D : 0), vbuf(half ? CH * DV : 0);
+    std::vector<float> kbuf(L * D), mfb(CH);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
-      const auto [kb, ldk] = keys.at(u, k0, kt, kbuf.data());
       float* a = ap + u * R * TK + k0;  // row r at a + r TK
-      // the rows' scores on the raw keys (BLAS reads the cache in place, ldb = its row stride)
-      gemm(R, kt, D, qp + u * R * D, D, kb, ldk, true, 0.f, a, TK);
-      for (int64_t j = 0; j < kt; ++j) {  // 1 / ||k_j||, from the chunk just read (in cache)
-        if (!norm_k) {
-          inv[j] = 1.f;
-          continue;
+      const float* qu = qp + u * R * D;
+      Vec zs[16], mx[16];  // rows' sums and maxima over the chunk (R <= 16 at a time)
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        const int64_t rn = std::min<int64_t>(16, R - r0);
+        for (int64_t r = 0; r < rn; ++r) zs[r] = mx[r] = Vec(0.f);
+        for (int64_t j = 0; j < kt; j += L) {
+          const int64_t nk = std::min<int64_t>(L, kt - j);
+          int64_t ld;
+          const float* kb = keys_f32(key0(u) + (k0 + j) * ldk, ldk, nk, D, kbuf.data(), ld);
+          Vec ik(1.f);
+          if (norm_k)
+            ik = ip ? Vec::loadu(inv0(u) + k0 + j, nk) : inv_norms(kb, ld, nk, D);
+          for (int64_t r = r0; r < r0 + rn; ++r) {
+            const int64_t x = u * R + r;
+            const int64_t vis = std::clamp<int64_t>(P.row_end(r % TQ) - k0 - j, 0, nk);
+            float* row = a + r * TK + j;
+            if (vis == 0) {
+              std::fill(row, row + nk, 0.f);
+              continue;
+            }
+            // a key of norm 0 (or NaN, inf) has cosine 0, as common.unit makes it
+            const Vec s = Vec::blendv(dot_lanes(qu + r * D, kb, ld, nk, D) * ik * Vec(c[x]),
+                                      Vec(0.f), ik == Vec(0.f));
+            Vec av = softplus(s);
+            if (P.mask) {
+              visible_keys(P, bh_of(u, r), r % TQ, k0 + j, vis, mfb.data());
+              av = visible<true, false>(av, mfb.data(), 0, vis);
+            } else {
+              av = visible<false, false>(av, nullptr, 0, vis);
+            }
+            av.store(row, nk);
+            zs[r - r0] = zs[r - r0] + av;
+            mx[r - r0] = at::vec::maximum(mx[r - r0], av);
+          }
         }
-        const float* kj = kb + j * ldk;
-        Vec mx(0.f);
-        for (int64_t x = 0; x < D; x += Vec::size())
-          mx = at::vec::maximum(mx, Vec::loadu(kj + x, std::min<int64_t>(Vec::size(), D - x)).abs());
-        const float big = hmax(mx);
-        const bool ok = big > 0.f && std::isfinite(big);
-        const Vec rb(ok ? 1.f / big : 1.f);
-        Vec ss(0.f);
-        for (int64_t x = 0; x < D; x += Vec::size()) {
-          const Vec y = Vec::loadu(kj + x, std::min<int64_t>(Vec::size(), D - x)) * rb;
-          ss = at::vec::fmadd(y, y, ss);
+        for (int64_t r = r0; r < r0 + rn; ++r) {
+          zp[(u * NC + ch) * R + r] = hsum(zs[r - r0]);
+          mp[(u * NC + ch) * R + r] = hmax(mx[r - r0]);
         }
-        const float nrm = std::sqrt(hsum(ss)) * (ok ? big : 1.f);
-        inv[j] = nrm > 0.f ? 1.f / nrm : 0.f;  // a zero key: cosine 0 with every query
       }
-      const Vec zero(0.f);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t x = u * R + r, vis = std::clamp<int64_t>(P.row_end(r % TQ) - k0, 0, kt);
-        float* row = a + r * TK;
-        const float* mf = visible_tile(P, bh_of(u, r), r % TQ, k0, vis, mfb.data());
-        const Vec cv(c[x]);
-        Vec zs(0.f), mx(0.f);
-        for (int64_t j = 0; j < vis; j += Vec::size()) {
-          const int64_t cnt = std::min<int64_t>(Vec::size(), vis - j);
-          const Vec ik = Vec::loadu(inv.data() + j, cnt);
-          // a key of norm 0 (or NaN, inf) has cosine 0, as common.unit makes it
-          const Vec s = Vec::blendv(Vec::loadu(row + j, cnt) * ik * cv, zero, ik == zero);
-          const Vec av = Vec::blendv(zero, softplus(s), lanes(mf, j, vis));
-          av.store(row + j, cnt);
-          zs = zs + av;
-          mx = at::vec::maximum(mx, av);
-        }
-        for (int64_t j = vis; j < kt; ++j) row[j] = 0.f;  // after the row's last key
-        zp[(u * NC + ch) * R + r] = hsum(zs);
-        mp[(u * NC + ch) * R + r] = hmax(mx);
-      }
-      if (!P.reweight) {  // LSSA: this chunk's A V, normalised once every chunk's Z is known
-        const auto [vb, ldv] = values.at(u, k0, kt, vbuf.data());
-        weights_v(R, kt, a, TK, vb, ldv, DV, pp + (u * NC + ch) * R * DV);
-      }
+      if (!P.reweight)  // LSSA: this chunk's A V, normalised once every chunk's Z is known
+        weights_v(R, kt, a, TK, value0(u) + k0 * ldv, ldv, DV, pp + (u * NC + ch) * R * DV);
     }
   });
   // the rows' statistics over every chunk
@@ -714,29 +1175,18 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
   if (underflow) return {at::empty({0}, q.options()), true};
   if (P.reweight) {
     at::parallel_for(0, U * NC, 1, [&](int64_t begin, int64_t end) {
-      const Vec zero(0.f);
-      std::vector<float> vbuf(half ? CH * DV : 0);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t u = task / NC, ch = task % NC, k0 = ch * CH, kt = std::min(CH, TK - k0);
         float* a = ap + u * R * TK + k0;
         for (int64_t r = 0; r < R; ++r) {
           const int64_t x = u * R + r;
           float* row = a + r * TK;
-          Vec ws(0.f);
-          if (has[x]) {  // else a uniform row (or no key): the LSSA weights a / Z, kept as are
-            const Vec muv(mu[x]), ivv(iv[x]);
-            for (int64_t j = 0; j < kt; j += Vec::size()) {
-              const int64_t cnt = std::min<int64_t>(Vec::size(), kt - j);
-              Vec w = vpow(at::vec::maximum(Vec::loadu(row + j, cnt) - muv, zero) * ivv, P.p);
-              if (cnt < Vec::size()) w = Vec::set(zero, w, cnt);
-              w.store(row + j, cnt);
-              ws = ws + w;
-            }
-          }
-          dp[(u * NC + ch) * R + r] = hsum(ws);
+          // else a uniform row (or no key): the LSSA weights a / Z, kept as they are
+          float ws = 0.f;
+          if (has[x]) with_pow(P.p, [&](auto pw) { ws = sharpen_row(row, kt, mu[x], iv[x], pw); });
+          dp[(u * NC + ch) * R + r] = ws;
         }
-        const auto [vb, ldv] = values.at(u, k0, kt, vbuf.data());
-        weights_v(R, kt, a, TK, vb, ldv, DV, pp + (u * NC + ch) * R * DV);
+        weights_v(R, kt, a, TK, value0(u) + k0 * ldv, ldv, DV, pp + (u * NC + ch) * R * DV);
       }
     });
     for (int64_t u = 0; u < U; ++u)
@@ -762,6 +1212,39 @@ std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, co
     }
   });
   return {out, false};
+}
+
+std::tuple<at::Tensor, bool> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const c10::optional<at::Tensor>& k_inv,
+                                    const c10::optional<at::Tensor>& mask, bool causal,
+                                    double scale, bool log_n, bool norm_k, double p,
+                                    double min_keys, double tol, int64_t chunk) {
+  for (auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
+                "decode takes CPU tensors [B, H, T, D] with unit last stride");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "decode: q must be contiguous float32");
+  const auto kv_type = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == kv_type && (kv_type == at::kFloat || kv_type == at::kBFloat16 ||
+                                             kv_type == at::kHalf),
+              "decode: k and v must share one of float32, bfloat16, float16");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
+                  v.size(1) == k.size(1) && v.size(2) == k.size(2) && k.size(3) == q.size(3),
+              "decode: shapes of q, k, v do not agree");
+  if (k_inv.has_value())
+    TORCH_CHECK(k_inv->scalar_type() == at::kFloat && k_inv->dim() == 3 &&
+                    k_inv->size(0) == k.size(0) && k_inv->size(1) == k.size(1) &&
+                    k_inv->size(2) == k.size(2) && k_inv->stride(2) == 1,
+                "decode: k_inv must be float32 [B, H_k, T_k] with unit last stride");
+  const auto args = std::make_tuple(mask, causal, scale, log_n, norm_k, p, min_keys, tol, chunk);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    return std::apply(
+        [&](auto&&... a) { return decode_impl<T>(q, k, v, k_inv, a...); }, args);
+  };
+  if (kv_type == at::kBFloat16) return run(at::BFloat16{});
+  if (kv_type == at::kHalf) return run(at::Half{});
+  return run(float{});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

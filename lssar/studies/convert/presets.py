@@ -77,6 +77,11 @@ class Preset:
         if not set(self.long_arms) <= set(self.arms):
             raise ValueError(f"preset {self.name}: long_arms must be among its arms")
 
+    @property
+    def description(self) -> str:
+        """What the preset runs, as every study's ``--help`` lists its presets."""
+        return self.summary
+
     def recipe(self) -> dict:
         """The fine-tuning keys every arm and seed share."""
         return dict(

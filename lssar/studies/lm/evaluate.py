@@ -35,9 +35,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from lssar import clihelp
 from lssar.data import get_tokenizer, iter_eval_windows, load_split, read_manifest
 from lssar.data.manifest import manifest_files
 from lssar.model import GPT
+from lssar.ops.variants import VARIANTS
 from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest
@@ -570,47 +572,72 @@ def results_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cli(argv: list[str]) -> int:
-    if argv and not argv[0].startswith("-"):
-        from lssar.studies.lm.evaluate_hf import cli as hf_cli
-        from lssar.studies.lm.evaluate_hf import is_model_dir
-
-        if is_model_dir(argv[0]):  # a Hugging Face model directory, not an lssar train run
-            return hf_cli(argv)
-    ap = argparse.ArgumentParser(
-        prog="lssar eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parser() -> argparse.ArgumentParser:
+    """``lssar eval``'s options, each described (``lssar eval --help``)."""
+    ap = clihelp.parser("lssar eval", __doc__)
     ap.add_argument("run", help="run directory (from lssar train)")
     ap.add_argument(
-        "--lengths", default="1,2,4,8,16", help="multiples of the training length, e.g. 1,2,4,8,16"
+        "--lengths",
+        default="1,2,4,8,16",
+        help="evaluation lengths as multiples of the training length, comma-separated",
     )
-    ap.add_argument("--attn", help="evaluate with this attention instead of the trained one")
-    ap.add_argument("--attn-p", type=float, help="re-weighting power for the evaluation")
     ap.add_argument(
-        "--window", type=int, help="sliding window: every query sees only its last WINDOW keys"
+        "--attn",
+        metavar=clihelp.one_of(VARIANTS),
+        help="evaluate with this attention variant instead of the trained one (its defaults; "
+        "the trained impl is kept where it runs it); none: the trained one",
+    )
+    ap.add_argument(
+        "--attn-p",
+        type=float,
+        help="re-weighting power p for the evaluation (lssar, softmax-qknorm-logn), on top of "
+        "the trained options; none: as trained",
+    )
+    ap.add_argument(
+        "--window",
+        type=int,
+        help="sliding window: every query sees only its last WINDOW keys (the training length "
+        "is the control for flat loss); none: every earlier key",
     )
     ap.add_argument(
         "--rope-scaling",
-        help=f"rescale a RoPE model's rotation at evaluation: {', '.join(ROPE_SCALINGS)}",
+        metavar=clihelp.one_of(ROPE_SCALINGS),
+        help="rescale a RoPE model's rotation at evaluation (PI, NTK-aware, dynamic NTK, YaRN); "
+        "none: as trained",
     )
     ap.add_argument(
         "--rope-factor",
-        help="its factor s: a number, or auto (the default) = evaluated length / training length",
+        help="the scaling's factor s: a number, or auto = evaluated length / training length "
+        "(none: auto)",
     )
-    ap.add_argument("--tokens", type=int, default=65536, help="validation tokens per length")
-    ap.add_argument("--passkey", action="store_true", help="also fine-tune and test passkey")
+    ap.add_argument(
+        "--tokens", type=int, default=65536, help="validation tokens scored at every length"
+    )
+    ap.add_argument(
+        "--passkey", action="store_true", help="also fine-tune on passkey retrieval and test it"
+    )
     dflt = PasskeySettings()
     ap.add_argument(
-        "--passkey-steps", type=int, default=dflt.steps, help="fine-tuning steps (no early stop)"
+        "--passkey-steps",
+        type=int,
+        default=dflt.steps,
+        help="passkey fine-tuning steps, the same for every run (no early stop)",
     )
     ap.add_argument(
         "--passkey-target",
         type=float,
         default=dflt.target,
-        help="accuracy at the training length below which the task counts as not learned",
+        help="passkey accuracy at the training length below which the task counts as not "
+        "learned (inconclusive)",
     )
-    ap.add_argument("--passkey-digits", type=int, default=dflt.digits)
-    ap.add_argument("--no-diagnostics", action="store_true")
+    ap.add_argument(
+        "--passkey-digits", type=int, default=dflt.digits, help="digits of each passkey"
+    )
+    ap.add_argument(
+        "--no-diagnostics",
+        action="store_true",
+        help="skip the attention diagnostics (entropy, first-token mass) and numerical health",
+    )
     ap.add_argument(
         "--no-context",
         action="store_true",
@@ -619,7 +646,22 @@ def cli(argv: list[str]) -> int:
     ap.add_argument(
         "--copy-probes", type=int, default=COPY_PROBES, help="copy-probe sequences per distance"
     )
-    ap.add_argument("--tag", help="name of the output folder under RUN/eval/")
+    ap.add_argument(
+        "--tag",
+        help="name of the output folder under RUN/eval/; none: from the rule and the window",
+    )
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    if argv and not argv[0].startswith("-"):
+        from lssar.studies.lm.evaluate_hf import cli as hf_cli
+        from lssar.studies.lm.evaluate_hf import is_model_dir
+
+        if is_model_dir(argv[0]):  # a Hugging Face model directory, not an lssar train run
+            return hf_cli(argv)
+    ap = parser()
+    dflt = PasskeySettings()
     args = ap.parse_args(argv)
     run = Path(args.run)
     if not run.is_dir():

@@ -123,7 +123,11 @@ def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="lssar eval MODEL_DIR", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("model", help="a Hugging Face model directory (lssar convert / finetune)")
-    ap.add_argument("--data", required=True, help="a dataset tokenised with hf:MODEL_DIR")
+    ap.add_argument(
+        "--data",
+        help="a dataset tokenised with hf:MODEL_DIR (default: the one a model made by lssar "
+        "finetune was trained on)",
+    )
     ap.add_argument("--lengths", default="256,1024,4096", help="tokens, e.g. 256,1024,4096")
     ap.add_argument("--documents", type=int, default=8, help="held-out documents scored")
     ap.add_argument("--window", type=int, help="every query sees only its last WINDOW keys")
@@ -137,7 +141,17 @@ def cli(argv: list[str]) -> int:
         copy = [int(x) for x in a.copy.split(",")] if a.copy else []
     except ValueError:
         raise ValueError("--lengths and --copy take comma-separated token counts") from None
-    r = evaluate_model(a.model, a.data, lengths, a.documents, a.window, a.rope_scaling, copy,
+    dataset = a.data or (
+        json.loads(rec.read_text()).get("dataset")
+        if (rec := Path(a.model) / "lssar.json").is_file()
+        else None
+    )
+    if dataset is None:
+        raise ValueError(
+            f"{a.model}: give --data (a dataset prepared with `lssar data prepare --tokenizer "
+            f"hf:{a.model}`)"
+        )
+    r = evaluate_model(a.model, dataset, lengths, a.documents, a.window, a.rope_scaling, copy,
                        a.copy_probes, a.dtype)  # fmt: skip
     print(markdown(r))
     return 0

@@ -10,7 +10,9 @@ evaluation results, and so the report's rows, carry the label
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from lssar.positions import ROPE_SCALINGS, RopeScaling, with_pos
 from lssar.spec import AttentionSpec
@@ -112,6 +114,8 @@ class Preset:
     # RUN/eval/<eval_folder>/ (default: the preset's name): a preset that adds arms to another
     # with the same evaluation settings shares its evaluations, so both report the same numbers
     eval_folder: str | None = None
+    # training settings over the train preset's (before the command line's --key=value)
+    train: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         select_arms(ARMS, self.arms)
@@ -235,3 +239,48 @@ PRESETS = {
         "all 9 arms",
     ),
 }
+
+
+SMOKE_STEPS = 3
+
+
+def smoke(preset: Preset) -> Preset:
+    """``lssar reproduce --smoke``: ``preset``'s arms on its first seed for :data:`SMOKE_STEPS`
+    steps of 4 windows, evaluated on two windows at 1x and 2x (passkey: 2 steps, 1 probe): it
+    checks that an install runs the preset end to end in about a minute per arm, and measures
+    nothing. Its runs and report live apart from the preset's (``runs/reproduce-smoke-*``,
+    ``reports/<preset>-smoke-<date>``), its evaluations in ``RUN/eval/smoke/``."""
+    from lssar.train.config import load_config
+
+    seq_len = load_config(preset.train_preset, preset.train).seq_len
+    tokens = 2 * seq_len
+    steps = {"max_steps": SMOKE_STEPS, "warmup_steps": 1, "eval_every": SMOKE_STEPS}
+    return dataclasses.replace(
+        preset,
+        description=f"SMOKE TEST, not a result ({SMOKE_STEPS} training steps per arm) of: "
+        + preset.description,
+        seeds=preset.seeds[:1],
+        multiples=[1, 2],
+        eval_tokens=tokens,
+        passkey=None
+        if preset.passkey is None
+        else PasskeySettings(steps=2, warmup_steps=1, trials=1, digits=preset.passkey.digits),
+        budget="about a minute per arm on 2 CPU cores",
+        eval_folder="smoke",
+        train={
+            **preset.train,
+            **steps,
+            "batch_size": 4,
+            "ckpt_every": SMOKE_STEPS,
+            "log_every": 1,
+            "eval_tokens": tokens,
+        },
+    )
+
+
+def get_preset(name: str, smoke_test: bool = False) -> Preset:
+    """Preset ``name`` of :data:`PRESETS` (``ValueError`` naming the choices), or its
+    :func:`smoke` test."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return smoke(PRESETS[name]) if smoke_test else PRESETS[name]

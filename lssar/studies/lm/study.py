@@ -28,7 +28,7 @@ from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, Study, select_arms, study_args, study_parser, units_by_run
 from lssar.studies.lm import report
 from lssar.studies.lm.evaluate import evaluate_run
-from lssar.studies.lm.presets import ARMS, PRESETS, Preset
+from lssar.studies.lm.presets import ARMS, PRESETS, Preset, get_preset
 
 
 def at_training_length(spec: AttentionSpec, seq_len: int) -> AttentionSpec:
@@ -183,10 +183,12 @@ def _train_and_evaluate(
     from lssar.train.config import load_config, parse_overrides
 
     arm = ARMS[arm_names[0]]
-    seq_len = load_config(preset.train_preset, parse_overrides(overrides)).seq_len
+    given = {**preset.train, **parse_overrides(overrides)}
+    seq_len = load_config(preset.train_preset, given).seq_len
     cfg = load_config(
         preset.train_preset,
         {
+            **preset.train,
             **at_training_length(arm.attention, seq_len).to_train(),
             "pos": arm.pos,
             "seed": seed,
@@ -248,37 +250,42 @@ def run_study(
     jobs: int = 1,
     arms: list[str] | None = None,
     seeds: list[int] | None = None,
+    smoke: bool = False,
 ) -> Path:
     """Train + evaluate every arm of ``preset_name`` (or ``arms``, ``seeds``); returns the
     report directory (``out``, default ``reports/<preset>-<date>``).
 
     ``jobs > 1`` trains and evaluates that many runs at once, in worker processes of one torch
-    thread each (not under torchrun, whose ranks train each run together)."""
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    thread each (not under torchrun, whose ranks train each run together). ``smoke``: the
+    preset's :func:`~lssar.studies.lm.presets.smoke` test (a few steps and tokens per arm; its
+    own runs directory and report)."""
+    preset = get_preset(preset_name, smoke)
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: need at least 1 worker")
     if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(f"--jobs {jobs} under torchrun: the ranks already share each run; drop it")
-    preset = PRESETS[preset_name]
     if arms is not None or seeds is not None:
         preset = dataclasses.replace(
             preset,
             arms=select_arms(ARMS, arms) if arms is not None else preset.arms,
             seeds=list(seeds) if seeds is not None else preset.seeds,
         )
-    # Runs are named by the training preset, so presets that share it (quick, cpu) share runs.
-    runs = Path(runs or f"runs/reproduce-{preset.train_preset}")
-    out = Path(out or f"reports/{preset_name}-{dt.date.today().isoformat()}")
-    study = LMStudy(preset_name, preset, runs, out, list(overrides or []), progress and jobs == 1)
+    # Runs are named by the training preset, so presets that share it (quick, cpu) share runs;
+    # a smoke test's live apart.
+    kind = "smoke-" if smoke else ""
+    runs = Path(runs or f"runs/reproduce-{kind}{preset.train_preset}")
+    out = Path(out or f"reports/{preset_name}-{kind}{dt.date.today().isoformat()}")
+    name = f"{preset_name} --smoke" if smoke else preset_name
+    study = LMStudy(name, preset, runs, out, list(overrides or []), progress and jobs == 1)
     from lssar.train.config import load_config, parse_overrides
 
-    steps = load_config(preset.train_preset, parse_overrides(list(overrides or []))).max_steps
+    given = {**preset.train, **parse_overrides(list(overrides or []))}
+    steps = load_config(preset.train_preset, given).max_steps
     run_dirs = [runs / _run_name(preset.train_preset, ARMS[u[2][0]], u[3]) for u in study.units()]
     tell = progress and int(os.environ.get("RANK", "0")) == 0
     if tell:
         print(
-            f"lssar reproduce --preset {preset_name}: {len(run_dirs)} training runs of {steps} "
+            f"lssar reproduce --preset {name}: {len(run_dirs)} training runs of {steps} "
             f"steps and their evaluations ({preset.budget or 'no estimate'}); a [whole command] "
             "line every 30 s says how long is left",
             flush=True,
@@ -287,14 +294,15 @@ def run_study(
         return study.run(jobs).report
 
 
-def cli(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``lssar reproduce``'s options, each described (``lssar reproduce --help``)."""
     ap = study_parser(
         "lssar reproduce",
         __doc__,
         PRESETS,
         ARMS,
-        runs="runs/reproduce-TRAIN_PRESET",
-        out="reports/PRESET-DATE",
+        runs="runs/reproduce-TRAIN_PRESET (runs/reproduce-smoke-TRAIN_PRESET with --smoke)",
+        out="reports/PRESET-DATE (reports/PRESET-smoke-DATE with --smoke)",
         renamed={"--runs-dir": "--runs"},
     )
     ap.add_argument("--reports-dir", help=argparse.SUPPRESS)  # deprecated: the parent of --out
@@ -303,18 +311,33 @@ def cli(argv: list[str]) -> int:
         action="store_true",
         help="paper preset: run the torchrun commands here instead of printing them",
     )
-    ap.epilog = "Other --key=value arguments override the training preset (e.g. --max_steps=50)."
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that this install runs the preset: every arm for a few steps on few tokens, "
+        "one seed (runs/reproduce-smoke-*, reports/PRESET-smoke-DATE); measures nothing",
+    )
+    ap.epilog += (
+        "\n\nAny other --key=value is a training setting over the preset's (lssar train --help "
+        "lists them), e.g. --max_steps=100."
+    )
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    ap = parser()
     args, overrides = ap.parse_known_args(argv)
     arms, seeds = study_args(args)
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    get_preset(args.preset)  # an unknown name fails first
     if args.reports_dir is not None:
         print(
             "note: --reports-dir is deprecated, use --out (the report directory)", file=sys.stderr
         )
-        stamp = dt.date.today().isoformat()
+        stamp = f"{'smoke-' if args.smoke else ''}{dt.date.today().isoformat()}"
         args.out = args.out or str(Path(args.reports_dir) / f"{args.preset}-{stamp}")
     if args.preset == "paper" and not args.execute:
+        if args.smoke:
+            raise ValueError("--smoke runs the paper preset here: add --execute")
         runs = Path(args.runs or f"runs/reproduce-{PRESETS['paper'].train_preset}")
         print(
             f"# {PRESETS['paper'].description}\n# expected time: {PRESETS['paper'].budget}\n"
@@ -333,6 +356,7 @@ def cli(argv: list[str]) -> int:
         args.jobs or 1,
         arms,
         seeds,
+        smoke=args.smoke,
     )
     print((out / "REPORT.md").read_text())
     print(f"report: {out / 'REPORT.md'}")

@@ -213,6 +213,61 @@ def check_arms(arms: list[str]) -> list[str]:
     return select_arms(ARMS, arms)
 
 
+# One line per `--set` key for `lssar orbits --help` (tests/test_cli_help.py checks them all).
+SET_HELP: dict[str, str] = {
+    "data_preset": "the kepler dataset preset the data fields start from (quick, cpu, vafa, ...)",
+    "data": "data fields over data_preset's; set one with data.<field>=VALUE",
+    "arms": "arms to run (the --arms flag)",
+    "seeds": "seeds (the --seeds flag)",
+    "fmt": "token format: continuous (positions as vectors) or discrete (binned tokens)",
+    "fractions": "train / probe / test fractions of the systems",
+    "n_layer": "transformer blocks of the world model",
+    "n_head": "attention heads",
+    "n_embd": "model width",
+    "window": "tokens each query sees in the softmax-local arm (4 time steps = 8 tokens)",
+    "n_bins": "bins per coordinate of the discrete format",
+    "pretrain_steps": "next-position pretraining steps per arm and seed",
+    "pretrain_batch": "sequences per pretraining step",
+    "pretrain_lr": "pretraining learning rate",
+    "finetune_steps": "force-probe fine-tuning steps",
+    "finetune_batch": "sequences per fine-tuning step",
+    "finetune_lr": "fine-tuning learning rate",
+    "first_step": "first time step whose force is a target (earlier: too little history)",
+    "ridge_alpha": "ridge penalty of the linear force probe",
+    "sr_points": "(system, step) points given to symbolic regression per seed",
+    "sr_budget_s": "symbolic regression's time budget in seconds per fit",
+    "n_boot": "bootstrap draws of the power-law fit's intervals",
+    "tol": "band around the law's exponents (1, 1, -2) for the GP / sparse-law verdicts",
+    "ceiling_draws": "noise draws of the noise ceiling",
+    "margin": "equivalence margin of an arm's largest exponent error over its ceiling's",
+    "device": "auto (cuda if there is one), cpu or cuda",
+    "jobs": "arm/seed runs in parallel processes, one torch thread each on CPU",
+}
+DATA_HELP: dict[str, str] = {
+    "n_systems": "two-body systems generated (split by fractions)",
+    "n_steps": "time steps per sequence",
+    "dt": "time step: a value, or a tuple of values drawn per system; none: from "
+    "steps_per_orbit or orbits_per_sequence",
+    "steps_per_orbit": "dt = period / steps_per_orbit when dt is none",
+    "orbits_per_sequence": "range of orbits each sequence shows when dt and steps_per_orbit "
+    "are none",
+    "m1_range": "star mass range (log-uniform)",
+    "m2_range": "planet mass range (log-uniform)",
+    "a_range": "semi-major axis range (log-uniform unless a_uniform)",
+    "a_uniform": "draw the semi-major axis uniformly instead",
+    "e_max": "largest eccentricity (uniform in [0, e_max] unless e_beta)",
+    "e_beta": "Beta(a, b) eccentricities clipped to e_max; none: uniform",
+    "com_pos_scale": "centre-of-mass position range [-s, s]^2",
+    "com_vel_scale": "centre-of-mass velocity range [-s, s]^2",
+    "p_retrograde": "probability that an orbit runs clockwise",
+    "G": "gravitational constant",
+    "seed": "seed of the generated systems",
+    "name": "the dataset's name (its folder data/orbits-<name>)",
+    "extra": "extra fields kept with the data (e.g. coord_range of the discrete format)",
+}
+SET_SKIP = ("description", "budget")
+
+
 def parse_set(items: list[str]) -> dict[str, Any]:
     """``--set`` items (``field=value``, ``data.field=value``) parsed to the fields' types by
     :func:`lssar.train.config.parse_value` (tuples and lists as Python literals)."""

@@ -28,6 +28,7 @@ are importable from here), the networks and training loops in :mod:`.models`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import os
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lssar import clihelp
 from lssar.runio import environment, exclusive_lock
 from lssar.studies.common import Study, code_digest, study_args, study_parser
 from lssar.studies.orbits import kepler, symreg
@@ -58,7 +60,10 @@ from lssar.studies.orbits.models import (
 )
 from lssar.studies.orbits.presets import (
     ARMS,
+    DATA_HELP,
     PRESETS,
+    SET_HELP,
+    SET_SKIP,
     Arm,
     Preset,
     check_arms,
@@ -478,7 +483,19 @@ def run_study(
     }
 
 
-def cli(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``lssar orbits``'s options and ``--set`` keys, each described (``lssar orbits --help``)."""
+    quick = PRESETS["quick"]
+    keys = clihelp.keys_help(
+        Preset, SET_HELP, quick, {"fmt": list(FORMATS)}, "{key}={value}", skip=SET_SKIP
+    )
+    data = clihelp.keys_help(
+        kepler.OrbitConfig,
+        DATA_HELP,
+        kepler.preset(quick.data_preset, **quick.data),
+        form="{key}={value}",
+        prefix="data.",
+    )
     ap = study_parser(
         "lssar orbits",
         __doc__,
@@ -487,22 +504,36 @@ def cli(argv: list[str]) -> int:
         runs="runs/orbits-PRESET",
         out="reports/orbits-PRESET-DATE",
     )
-    ap.add_argument("--format", choices=FORMATS, help="token format (default: the preset's)")
-    ap.add_argument("--sr-backend", default="auto", help="auto | pyoperon | gplearn | pysr")
+    ap.epilog += (
+        "\n\nsettings for --set KEY=VALUE (defaults of the quick preset; tuples as Python "
+        f"literals):\n{keys}\n{data}"
+    )
+    ap.add_argument("--format", choices=FORMATS, help="token format; none: the preset's (data fmt)")
+    ap.add_argument(
+        "--sr-backend",
+        default="auto",
+        choices=["auto", *symreg.BACKENDS],
+        help="symbolic regression package (auto: the first installed)",
+    )
     ap.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads (default 1: these matrices are tiny, and one "
-        "thread does not collapse when the cores are shared)",
+        help="torch CPU threads (1: these matrices are tiny, and one thread does not collapse "
+        "when the cores are shared)",
     )
     ap.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a preset field (e.g. pretrain_steps=100, data.n_systems=500)",
+        help="override a preset field (listed below), e.g. pretrain_steps=100, data.n_systems=500",
     )
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     arms, seeds = study_args(args)
     if args.out is not None and args.runs is None:

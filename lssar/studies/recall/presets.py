@@ -195,6 +195,38 @@ def preset_config(name: str, **overrides: Any) -> StudyConfig:
     return dataclasses.replace(base, **overrides)
 
 
+# One line per `--set` key for `lssar recall --help` (tests/test_cli_help.py checks them all).
+SET_HELP: dict[str, str] = {
+    "multiples": "evaluation lengths as multiples of task.train_len, e.g. (1, 2, 4)",
+    "n_layer": "transformer blocks of the recall model",
+    "n_head": "attention heads",
+    "n_embd": "model width",
+    "token_shift": "add the previous token's embedding at each position (without it softmax "
+    "never learned the task in the pilot)",
+    "steps": "training steps per arm and seed",
+    "batch_size": "sequences per training step",
+    "lr": "peak learning rate (AdamW, warmup then cosine)",
+    "warmup": "linear warmup steps",
+    "weight_decay": "AdamW weight decay",
+    "eval_seqs": "evaluation sequences per length (>= 200 queries per bucket with 4 queries)",
+    "eval_batch": "sequences per evaluation batch",
+    "eval_ps": "re-weighting powers p tried at evaluation on every arm, e.g. (1.0, 15.0); none: "
+    "each arm's own sweep",
+    "ckpt_every": "steps between checkpoints (a re-run resumes)",
+    "jobs": "worker processes, one thread each (does not change any result)",
+}
+TASK_HELP: dict[str, str] = {
+    "train_len": "training sequence length in tokens (queries beyond it are 'beyond')",
+    "n_pairs": "key-value pairs stored in each sequence (<= n_keys, n_values)",
+    "n_queries": "keys asked at the end of each sequence (<= n_pairs)",
+    "n_keys": "key tokens in the vocabulary",
+    "n_values": "value tokens in the vocabulary",
+    "n_filler": "distractor tokens in the vocabulary",
+    "pair_order": "kv (key then value) or vk (value then key)",
+}
+SET_SKIP = ("task", "arms", "seeds")  # arms and seeds have flags of their own
+
+
 def parse_set(items: list[str]) -> dict[str, Any]:
     """``--set`` items (``field=value``, ``task.field=value``) parsed to the types of
     :class:`StudyConfig` and :class:`RecallTask` fields; ``ValueError`` names an unknown key."""
@@ -207,8 +239,8 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     for key, value in parse_overrides(items).items():
         name = key.removeprefix("task.")
         known = task_fields if key.startswith("task.") else fields
-        if name not in known or key in ("task", "arms", "seeds"):
-            valid = [f for f in fields if f not in ("task", "arms", "seeds")]
+        if name not in known or key in SET_SKIP:
+            valid = [f for f in fields if f not in SET_SKIP]
             raise ValueError(
                 f"--set {key}: unknown setting; valid: {', '.join(valid)}, task.<"
                 f"{'|'.join(task_fields)}> (arms and seeds have flags of their own)"

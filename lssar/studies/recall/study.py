@@ -17,6 +17,7 @@ use one core far better than two threads do); the results do not depend on ``job
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import hashlib
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lssar import clihelp
 from lssar.model import GPTConfig
 from lssar.runio import atomic_write, environment
 from lssar.studies.common import (
@@ -47,13 +49,16 @@ from lssar.studies.recall.presets import (
     ARMS,
     EVAL_SEED,
     PRESETS,
+    SET_HELP,
+    SET_SKIP,
+    TASK_HELP,
     StudyConfig,
     eval_rules,
     parse_set,
     preset_config,
     train_p,
 )
-from lssar.studies.recall.task import IGNORE
+from lssar.studies.recall.task import IGNORE, RecallTask
 from lssar.train.checkpoint import (
     CONFIG,
     DONE,
@@ -505,21 +510,32 @@ def run_pilot(
     return _run(RecallPilot(cfg, Path(runs), Path(out), name, command=command), progress)
 
 
-def cli(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``lssar recall``'s options and ``--set`` keys, each described (``lssar recall --help``)."""
+    base = StudyConfig()
+    keys = clihelp.keys_help(StudyConfig, SET_HELP, base, form="{key}={value}", skip=SET_SKIP)
+    task = clihelp.keys_help(
+        RecallTask, TASK_HELP, base.task, {"pair_order": ["kv", "vk"]}, "{key}={value}", "task."
+    )
     ap = study_parser(
         "lssar recall",
         __doc__,
         PRESETS,
         ARMS,
         runs="runs/recall",
-        out="reports/recall-PRESET-DATE, or reports/pilot-PRESET-DATE",
+        out="reports/recall-PRESET-DATE, or reports/pilot-PRESET-DATE with --pilot",
+    )
+    ap.epilog += (
+        "\n\nsettings for --set KEY=VALUE (defaults of the study; a preset sets some of its "
+        f"own):\n{keys}\n{task}"
     )
     ap.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a setting (e.g. steps=3000, token_shift=false, task.n_pairs=2)",
+        help="override a setting of the preset (listed below), e.g. steps=3000, "
+        "token_shift=false, task.n_pairs=2",
     )
     ap.add_argument(
         "--pilot",
@@ -527,6 +543,11 @@ def cli(argv: list[str]) -> int:
         help="train only and report training accuracy against step (PILOT.md): size a "
         "setting before studying it",
     )
+    return ap
+
+
+def cli(argv: list[str]) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     arms, seeds = study_args(args)
     over: dict[str, Any] = parse_set(args.set)
