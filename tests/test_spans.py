@@ -464,7 +464,8 @@ def test_triton_op_with_spans_registers_schema_fake_and_autograd():
     bounds = (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)
     torch.library.opcheck(
         host.triton_softplus_attention_op,
-        (q, k, v, None, False, 2.77, True, True, 15.0, True, *bounds),
+        (q, k, v, None, False, 2.77, True, True, 15.0, True),
+        dict(zip(("lo", "hi", "sink_lo", "sink_hi"), bounds)),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 

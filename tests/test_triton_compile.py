@@ -66,26 +66,34 @@ def _assert_clean(rows: list[dict], report: str) -> None:
 
 def test_reduced_grid_covers_every_kernel_and_arch(reduced):
     rows, _ = reduced
-    kernels = {"fwd", "rows", "dq", "dkdv"}
+    kernels = {"fwd", "fwd-train", "rows", "dq", "dkdv", "decode1", "decode2"}
     assert {r["kernel"] for r in rows} == kernels
     assert {r["arch"] for r in rows} == {80, 90}
     assert all(r["kept"] for r in rows)
+    # LSSAR's inference forward, its forward for a backward (F_i folded in), and the default
+    # backward (dq fused into dk/dv): row coefficients, dk/dv; the deterministic one adds dq
+    default = {"fwd", "fwd-train", "rows", "dkdv"}
     # key spans with sinks (HAS_SPANS, HAS_SINKS): every kernel, both archs
     assert {(r["kernel"], r["arch"]) for r in rows if r["spans"] == "sinks"} == {
-        (k, a) for k in kernels for a in (80, 90)
+        (k, a) for k in default for a in (80, 90)
     }
     # precise=False (SPLIT=False: half-precision weights rounded once): every kernel, both archs
     assert {(r["kernel"], r["arch"]) for r in rows if not r["precise"]} == {
-        (k, a) for k in kernels for a in (80, 90)
+        (k, a) for k in default for a in (80, 90)
+    }
+    assert {(r["kernel"], r["arch"]) for r in rows if r["deterministic"]} == {
+        (k, a) for k in default | {"dq"} for a in (80, 90)
     }
 
 
 def test_precise_option_reaches_the_kernels(tmp_path):
     # a case's precise is the host's option: SPLIT in every half-precision launch it records
+    # with a matrix product (the rows kernel has none: per-row coefficients only)
     out = _run_json(
         tmp_path,
         "print(json.dumps({str(p): sorted({ln.kwargs['SPLIT'] for ln in cc.launches("
-        "cc.Case(128, 'bf16', True, 'lssar', False, precise=p))}) for p in (True, False)}))",
+        "cc.Case(128, 'bf16', True, 'lssar', False, precise=p)) if ln.name != 'rows'})"
+        " for p in (True, False)}))",
     )
     assert out == {"True": [True], "False": [False]}
 
@@ -102,11 +110,11 @@ def test_sm90_half_precision_main_loops_use_wgmma(reduced):
     rows, _ = reduced
     checked = 0
     for r in rows:
+        if r["kernel"] == "rows":  # per-row work only, no matrix product
+            continue
         bm, bn = (int(x) for x in r["config"].split()[0].split("x"))
         m = max(bm, bn) if r["kernel"] == "dkdv" else bm
         if r["arch"] != 90 or r["dtype"] == "fp32" or m < 64:
-            continue
-        if r["kernel"] == "rows" and r["variant"] == "lssa":
             continue
         checked += 1
         assert r["hgmma"] > 0, f"{r['case']} {r['kernel']} {r['config']}: no HGMMA"
@@ -114,13 +122,16 @@ def test_sm90_half_precision_main_loops_use_wgmma(reduced):
 
 
 def test_spilling_config_is_detected(tmp_path):
-    # The check must be able to fail: a tile measured to spill (dq, head dim 128, 64x64, 8 warps,
-    # 3 stages on sm_90: ~200 B) is compiled, flagged by problems() when the autotuner could pick
-    # it, and the autotuner's pruning must not keep it.
+    # The check must be able to fail (a planted regression): a tile measured to spill (the LSSAR
+    # training forward at head dim 128, bf16, precise=False, 128x64, 8 warps, 2 stages on sm_90:
+    # 255 registers and 124 B spill stores; the inference forward in the same tile does not
+    # spill) is compiled, flagged by problems() when the autotuner could pick it, and the
+    # autotuner's pruning must not keep it.
     res = _run_json(
         tmp_path,
-        "b = [x for x in cc.builds([cc.Case(128, 'bf16', True, 'lssar', False)], (90,))\n"
-        "     if x.kernel == 'dq' and x.config == '64x64 w8 s3']\n"
+        "case = cc.Case(128, 'bf16', True, 'lssar', False, precise=False)\n"
+        "b = [x for x in cc.builds([case], (90,))\n"
+        "     if x.kernel == 'fwd-train' and x.config == '128x64 w8 s2']\n"
         "kept = b[0].kept\n"
         "b[0].kept = True\n"
         "rows = cc.run(b, 1)\n"
@@ -130,22 +141,6 @@ def test_spilling_config_is_detected(tmp_path):
     assert row["ok"] and row["spill_store"] > 0, row
     assert any("spills" in p for p in res["problems"])
     assert not res["kept"], "the autotuner may pick a config that spills"
-
-
-def test_fp32_rows_with_sinks_kept_configs_do_not_spill(tmp_path):
-    # fp32 rows kernel, head dim 128, key spans with sinks: the pipelined 16x16 w4 s2 tile
-    # spilled 8 B on sm_80; the tile kept now (16x16 w8 s2, one score per thread) compiles clean
-    # on sm_80 and sm_90.
-    res = _run_json(
-        tmp_path,
-        "case = cc.Case(128, 'fp32', True, 'lssar', False, 'sinks')\n"
-        "b = [x for x in cc.builds([case], (80, 90), kept_only=True) if x.kernel == 'rows']\n"
-        "rows = cc.run(b, 2)\n"
-        "print(json.dumps({'rows': rows, 'problems': cc.problems(rows)}))\n",
-    )
-    assert {r["arch"] for r in res["rows"]} == {80, 90}
-    assert all(r["ok"] for r in res["rows"]), res["rows"]
-    assert not res["problems"], res["problems"]
 
 
 def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
@@ -166,11 +161,16 @@ def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
     for mode in ("False", "True"):
         assert not res[mode]["problems"], res[mode]["problems"]
         assert {(r["kernel"], r["arch"]) for r in res[mode]["rows"]} == {
-            (k, a) for k in ("fwd", "rows", "dq", "dkdv") for a in (80, 90)
+            # fp32 keeps the dq kernel (the fused dq spilled in its FMA-unit dk/dv tiles)
+            (k, a)
+            for k in ("fwd", "fwd-train", "rows", "dq", "dkdv")
+            for a in (80, 90)
         }
     for r in res["False"]["rows"]:
         assert r["hmma"] == r["hgmma"] == 0, r
     for r in res["True"]["rows"]:
+        if r["kernel"] == "rows":  # per-row work, no product
+            continue
         assert r["hmma"] + r["hgmma"] > 0, r
         bm = int(r["config"].split("x")[0])
         if r["arch"] == 90 and r["kernel"] != "dkdv" and bm >= 64:
@@ -180,19 +180,22 @@ def test_tf32_flag_puts_fp32_dots_on_tensor_cores(tmp_path):
     assert any(r["hgmma"] > 0 for r in res["True"]["rows"])
 
 
-# the dk/dv tiles for sm_90's wgmma (key-major scores; at head dim 128 one gradient per program)
-WGMMA_DKDV = {64: "16x64 w4 s2 key-major", 128: "16x64 w4 s2 key-major one-grad"}
+# the dk/dv tiles for sm_90's wgmma (key-major scores; at head dim 128 one gradient per program,
+# precise=False)
+WGMMA_DKDV = {64: "32x64 w4 s2 key-major", 128: "16x64 w4 s2 key-major one-grad"}
 
 
 def test_wgmma_dkdv_tiles_compile_to_hgmma_without_spills(tmp_path):
     # kept by the autotuner's pruning, every product on HGMMA (no HMMA left), no spill: sm_90,
-    # bf16 LSSAR p=15 causal, head dim 64 (both gradients) and 128 (one gradient): 2 builds
+    # bf16 LSSAR p=15 causal, precise=False, dq fused (the default), head dim 64 (both
+    # gradients) and 128 (one gradient): 2 builds
     res = _run_json(
         tmp_path,
         f"tiles = {WGMMA_DKDV!r}\n"
         "out = []\n"
         "for d, label in tiles.items():\n"
-        "    blds = cc.builds([cc.Case(d, 'bf16', True, 'lssar', False)], (90,))\n"
+        "    case = cc.Case(d, 'bf16', True, 'lssar', False, precise=False)\n"
+        "    blds = cc.builds([case], (90,))\n"
         "    out += cc.run([b for b in blds if (b.kernel, b.config) == ('dkdv', label)], 1)\n"
         "print(json.dumps(out))\n",
     )
@@ -200,8 +203,9 @@ def test_wgmma_dkdv_tiles_compile_to_hgmma_without_spills(tmp_path):
     for r in res:
         assert r["ok"] and r["kept"], r
         assert r["spill_store"] == r["spill_load"] == 0, r
-        assert r["hmma"] == 0 and r["hgmma"] >= 4, r  # q k^T, dO v^T, P^T dO, dS^T q
-        assert r["loop"]["hmma"] == 0 and r["loop"]["hgmma"] >= 4, r
+        # q k^T, dO v^T, P^T dO, dS^T q and the fused dq as k^T dS^T
+        assert r["hmma"] == 0 and r["hgmma"] >= 5, r
+        assert r["loop"]["hmma"] == 0 and r["loop"]["hgmma"] >= 5, r
 
 
 def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
@@ -210,20 +214,41 @@ def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
     from lssar.ops.triton import autotune as A
     from lssar.ops.triton.compile_check import _config_label
 
-    def kept(bd, dtype=torch.bfloat16, ieee=False):
+    def kept(bd, dtype=torch.bfloat16, ieee=False, split=False, mask=False):
         args = {"Q": torch.zeros(1, dtype=dtype)}
-        cfgs = A._pruner("dkdv")(A._COL_CONFIGS, args, BD=bd, BDV=bd, IEEE=ieee)
+        kw = dict(BD=bd, BDV=bd, IEEE=ieee, SPLIT=split, HAS_MASK=mask)
+        cfgs = A._pruner("dkdv")(A._COL_CONFIGS, args, **kw)
         return {label for label in map(_config_label, cfgs) if "key-major" in label}
 
-    assert kept(64) == {
-        "16x64 w4 s2 key-major",
+    one_grad = {
         "16x64 w4 s2 key-major one-grad",
         "32x64 w4 s2 key-major one-grad",
         "32x128 w8 s2 key-major one-grad",
     }
+    both = {"16x64 w4 s2 key-major", "32x64 w4 s2 key-major", "32x128 w8 s2 key-major"}
+    assert kept(64) == one_grad | both
+    # 32 rows, both gradients: precise=False and plain launches only
+    assert kept(64, split=True) == kept(64, mask=True) == one_grad | {"16x64 w4 s2 key-major"}
     assert kept(128) == {WGMMA_DKDV[128]} and kept(128, torch.float16) == {WGMMA_DKDV[128]}
+    assert kept(128, split=True) == set()  # spilled 4-12 B with the hi + lo products
     assert kept(256) == set()
     assert kept(64, torch.float32, ieee=True) == kept(64, torch.float32) == set()  # IEEE, TF32
+
+
+def test_decode_full_tile_output_pass_keeps_only_the_8_warp_config():
+    # the output pass (PASS=2) of a full decode tile (64 rows x head dim 128) spilled on 4 warps
+    # and in 64-key blocks; smaller tiles and the LSSAR score pass keep the 4-warp configs
+    from lssar.ops.triton import decode as DEC
+    from lssar.ops.triton.compile_check import _config_label
+
+    def kept(bm, bd, step):
+        kw = dict(BM=bm, BD=bd, BDV=bd, PASS=step)
+        return {_config_label(c, kw) for c in DEC._prune(DEC.decode_tuned.configs, {}, **kw)}
+
+    assert kept(64, 128, 2) == {"64x32 w8 s2"} and kept(32, 256, 2) == {"32x32 w8 s2"}
+    assert kept(64, 128, 1) == {"64x64 w4 s2", "64x64 w4 s3", "64x32 w4 s3"}
+    assert kept(16, 128, 2) == {"16x64 w4 s2", "16x64 w4 s3", "16x32 w4 s3"}
+    assert "16x128 w4 s2" in kept(16, 64, 2)
 
 
 def test_unpipelined_row_tile_is_only_a_fallback():
@@ -240,13 +265,9 @@ def test_unpipelined_row_tile_is_only_a_fallback():
         cfgs = prune(A._ROW_CONFIGS, args, BD=bd, BDV=bd, IEEE=ieee, HAS_SPANS=spans)
         return [(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in cfgs]
 
-    # measured: fp32 rows at head dim 128 with spans spill on sm_80 in 16x16 w4 s2; the 8-warp
-    # tile (one score per thread) is pipelined and kept instead
-    assert kept("rows", 128, True, True) == [(16, 16, 8, 2)]
-    assert kept("rows", 128, True, False) == [(16, 16, 4, 2), (16, 16, 8, 2)]
     # TF32 forward at head dim 256: every pipelined tile spilled somewhere, so the unpipelined one
     assert kept("fwd", 256, False, False, tf32=True) == [(16, 16, 4, 1)]
-    for kind in ("fwd", "rows", "dq"):
+    for kind in ("fwd", "dq"):
         for bd in (64, 128, 256):
             for spans in (False, True):
                 assert all(c[3] > 1 for c in kept(kind, bd, True, spans)), (kind, bd, spans)
@@ -280,7 +301,7 @@ def test_pruning_keeps_a_config_and_drops_measured_spills(bd, precision):
 
     ieee, tf32 = precision == "ieee", precision == "tf32"
     q = torch.zeros(1, dtype=torch.bfloat16 if precision == "half" else torch.float32)
-    lists = {"fwd": A._ROW_CONFIGS, "rows": A._ROW_CONFIGS, "dq": A._ROW_CONFIGS}
+    lists = {"fwd": A._ROW_CONFIGS, "dq": A._ROW_CONFIGS}
     lists["dkdv"] = A._COL_CONFIGS
     launches = [(1, False, False), (1024, False, False), (1024, True, False), (1024, False, True)]
     launches.append((1024, True, True))
@@ -334,9 +355,89 @@ def test_measured_spills_apply_where_they_were_measured():
     assert not A._measured("dkdv", col, 128, 128, False, True, True)  # tf32, spans
 
 
+def test_pruning_is_per_arch():
+    """A tile that spilled on one arch only is pruned there and kept on the other (the LSSAR
+    forward at head dim 64, bf16, 64x64 w8 s2: sm_80 only); the two-warpgroup row
+    tiles are kept on sm_90 only, where measured (MEASURED_WGMMA_ROWS), and never for a launch
+    unlike the measured ones."""
+    import torch
+    import triton
+
+    from lssar.ops.triton import autotune as A
+
+    tile = triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=2)
+    assert A.SPILL_ARCHS[("fwd", 64, "half", 64, 64, 8, 2)] == {80}
+    assert not A.fits("fwd", tile, 64, 64, False, mask=True, arch=80)
+    assert A.fits("fwd", tile, 64, 64, False, mask=True, arch=90)
+    assert not A.fits("fwd", tile, 64, 64, False, mask=True)  # arch unknown: pruned
+    assert not A.fits("fwd", tile, 64, 64, False, arch=80)  # (and without a mask: 8 B)
+    assert A.fits("fwd", tile, 64, 64, False, arch=90)
+    kind, bm, bn, w, st = "fwd", 128, 64, 8, 2
+    (bd, reweight, split, fold) = (128, True, False, False)  # LSSAR inference, precise=False
+    assert (bd, reweight, split, fold) in A.MEASURED_WGMMA_ROWS[(kind, bm, bn, w, st)]
+    big = triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
+    flags = dict(reweight=reweight, split=split, fold=fold)
+    assert A.fits(kind, big, bd, bd, False, arch=90, **flags)
+    assert not A.fits(kind, big, bd, bd, False, arch=80, **flags)
+    assert not A.fits(kind, big, bd, bd, False, mask=True, arch=90, **flags)
+    assert not A.fits(kind, big, bd, bd, True, arch=90, **flags)  # fp32 (IEEE)
+    assert not A.fits(kind, big, bd, bd, False, arch=90, reweight=True, split=False, fold=True)
+    # the autotuner's pruning asks the device (compile_check sets it per target arch)
+    prune = A._pruner(kind)
+    args = {"tq_key": 1024, "Q": torch.zeros(1, dtype=torch.bfloat16)}
+    kw = dict(BD=bd, BDV=bd, IEEE=False, REWEIGHT=reweight, SPLIT=split, FOLD_F=fold)
+    for arch, expect in ((80, False), (90, True)):
+        A_arch = A.device_arch
+        try:
+            A.device_arch = lambda arch=arch: arch
+            kept = prune(A._ROW_CONFIGS, args, **kw)
+            tiles = {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in kept}
+            assert ((bm, bn, w, st) in tiles) == expect, arch
+        finally:
+            A.device_arch = A_arch
+
+
 @pytest.mark.slow
 def test_full_grid_every_config(tmp_path):
     # every config (kept or not) compiles; the kept ones fit and do not spill
     rows, report = _check(tmp_path, "--grid", "full")
     assert all(r["ok"] for r in rows), report[-6000:]
     _assert_clean(rows, report)
+
+
+def test_cost_model_arithmetic():
+    """The static model on fixed inputs (lssar.ops.triton.cost): MMA shapes to FLOP, the tiles a
+    causal problem visits, a kernel's clocks from its per-loop counts, the calibration."""
+    from lssar.ops.triton import cost as C
+    from lssar.ops.triton.sass import mma_flop
+
+    assert mma_flop("HGMMA.64x128x16.F32.BF16") == 2 * 64 * 128 * 16 / 4  # per warp
+    assert mma_flop("HMMA.16816.F32.BF16") == 2 * 16 * 8 * 16
+    assert mma_flop("FFMA") == 0
+    with pytest.raises(ValueError, match="unknown HMMA"):
+        mma_flop("HMMA.999.F32")
+    # T = 256 in 64x64 tiles: 4 + 3 + 2 + 1 = 10 tiles, the 4 on the diagonal masked
+    assert C.tile_counts("fwd", 256, 64, 64) == (6, 4)
+    assert C.tile_counts("dkdv", 256, 64, 64) == (6, 4)
+    assert C.tile_counts("fwd", 256, 128, 64) == (2, 4)  # two diagonal key blocks per row block
+
+    def loop(total, mufu, flop):
+        return {"total": total, "ex2": mufu, "lg2": 0, "rcp": 0, "mufu": mufu, "atomic": 0,
+                "local": 0, "flop": flop}  # fmt: skip
+
+    # one pass split in two loops: clean (10 instr, 1 MUFU, 1024 FLOP per warp and tile) and
+    # masked (14 instr); 64x64 tiles, 4 warps; T = 256: 6 clean tiles, 4 masked
+    row = {"case": "c", "kernel": "fwd", "variant": "lssa", "config": "64x64 w4 s2",
+           "loop": {"each": [loop(10, 1, 1024), loop(14, 1, 1024)]}}  # fmt: skip
+    k = C.kernel_cost(row, 256)
+    visible = 256 * 257 / 2
+    thread = (6 * 10 + 4 * 14) * 32 * 4
+    assert k.issue == pytest.approx(thread / 128 / visible)
+    assert k.mufu == pytest.approx(10 * 32 * 4 / 16 / visible)
+    assert k.tensor == pytest.approx(10 * 1024 * 4 / 4096 / visible)
+    assert k.clocks == pytest.approx(k.tensor + max(k.issue, k.mufu))
+    assert k.unsplit == pytest.approx(k.tensor + 10 * 14 * 32 * 4 / 128 / visible)
+    assert k.per_element["total"] == pytest.approx(thread / (10 * 64 * 64))
+    with pytest.raises(RuntimeError, match="innermost loops"):
+        C.kernel_cost({**row, "loop": {"each": [loop(1, 0, 0)] * 3}}, 256)
+    assert C.fa2_factor(128, "fwd") == pytest.approx(0.7 * 616 / 335)

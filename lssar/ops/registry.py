@@ -243,7 +243,7 @@ for _entry in (
         "CUDA, or CPU with TRITON_INTERPRET=1",
         available=_has_triton(),
         needs="the triton package",
-        options={"precise": True},
+        options={"precise": True, "deterministic": False},
         float64="chunked",
         torch_func=False,
         spans=True,

@@ -50,6 +50,7 @@ import triton
 
 from lssar.ops.spans import key_spans
 from lssar.ops.triton import autotune as A
+from lssar.ops.triton import decode as DEC
 from lssar.ops.triton import host
 from lssar.ops.triton import kernels as K
 from lssar.ops.triton.sass import loop_counts, opcode_counts, sass
@@ -64,7 +65,7 @@ ARCHS = (80, 90)
 SEQ_LEN = 1024
 BATCH, HEADS = 2, 4  # not 1: the JIT would turn H = 1 into a constant
 
-_SCHEMA = 2  # version of the measurements' format: part of the cache key
+_SCHEMA = 3  # version of the measurements' format: part of the cache key (3: per-loop counts, FLOP)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -87,6 +88,8 @@ class Case:
     spans: str = ""  # a key of _SPANS
     tf32: bool = False
     precise: bool = True
+    deterministic: bool = False
+    decode: int = 0  # > 0: a decode step of this many packed query rows (G x T_q), no backward
 
     @property
     def label(self) -> str:
@@ -95,7 +98,16 @@ class Case:
         flags += f" {self.spans}" if self.spans else ""
         flags += " tf32" if self.tf32 else ""
         flags += "" if self.precise else " fast"
+        flags += " det" if self.deterministic else ""
+        flags += f" decode{self.decode}" if self.decode else ""
         return f"{self.variant} d{self.head_dim} {self.dtype} {flags}"
+
+
+def _both_backwards(cases: list[Case]) -> list[Case]:
+    """``cases`` with the default backward (dq fused into dk/dv) and each again with
+    ``deterministic=True`` (the dq kernel, dk/dv without atomics); the forward and rows launches
+    of a twin are the same builds (compiled once)."""
+    return cases + [dataclasses.replace(c, deterministic=True) for c in cases]
 
 
 # the spans of a case: documents of SEQ_LEN // 3 and the rest, a 256-key window, 4 sinks
@@ -107,10 +119,16 @@ def grid(name: str) -> list[Case]:
 
     ``full``: head dim 64/128/256 x bf16/fp16/fp32 x causal or not x lssa/lssar x mask or not,
     and the same head dims, dtypes and variants with causal spans (window, window + sinks), and
-    fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans).
-    ``reduced`` (the default test run): the combinations whose resources differ most (head dim 128
-    in bf16 and fp32, head dim 64 and 256 in bf16, causal, lssar; one lssa and one masked case; one
-    with spans and sinks, the superset of the span code; one with ``precise=False``); causal, mask
+    fp32 with TF32 allowed (head dim x causal or not x lssa/lssar x mask or not, and the spans),
+    each with the default backward (dq fused into dk/dv) and with ``deterministic=True`` (the dq
+    kernel); and decode steps (head dim 64/128/256 x bf16/fp16 x lssa/lssar x a key padding mask
+    or not x 16 or 64 packed query rows, the decode kernel's BM, where the host takes the decode
+    kernel: rows x head dim <= ``decode.MAX_ROW_ELEMENTS``). ``reduced`` (the default test
+    run): the combinations whose resources differ most (head dim 128 in bf16 and fp32, head dim
+    64 and 256 in bf16, causal, lssar; one lssa and one masked case; one with spans and sinks,
+    the superset of the span code; one with ``precise=False``; one with ``deterministic=True``;
+    bf16 decode steps with 16 rows, and with 64 rows and a mask);
+    causal, mask
     and spans add a few integer ops per element and move no tile size. ``tf32``: the 13 fp32 cases
     with TF32 allowed that the TF32 pruning was set from (lssar head dim 64/128/256 causal, with a
     mask, sinks, a window; lssa 64/128). ``fast``: the ``full`` grid's bf16 / fp16 cases with
@@ -145,7 +163,16 @@ def grid(name: str) -> list[Case]:
             for v in ("lssa", "lssar")
             for sp in ("window", "sinks")
         ]
-        return plain + spans + tf32
+        decode = [  # the steps the host runs on the decode kernel (decode.applies)
+            Case(d, dt, True, v, m, decode=rows)
+            for d in (64, 128, 256)
+            for dt in ("bf16", "fp16")
+            for v in ("lssa", "lssar")
+            for m in (False, True)
+            for rows in (16, 64)
+            if rows * d <= DEC.MAX_ROW_ELEMENTS
+        ]
+        return _both_backwards(plain + spans + tf32) + decode
     if name == "reduced":
         return [
             Case(128, "bf16", True, "lssar", False),
@@ -156,6 +183,9 @@ def grid(name: str) -> list[Case]:
             Case(128, "fp16", False, "lssar", True),
             Case(128, "bf16", True, "lssar", False, "sinks"),
             Case(128, "bf16", True, "lssar", False, precise=False),
+            Case(128, "bf16", True, "lssar", False, deterministic=True),
+            Case(128, "bf16", True, "lssar", False, decode=16),
+            Case(128, "bf16", True, "lssar", True, decode=64),
         ]
     if name == "tf32":  # the cases TF32_REG_BUDGET and the "tf32" MEASURED_SPILLS were set on
         return [
@@ -201,6 +231,7 @@ _NAMES = {
     "bwd_rows_kernel": "rows",
     "bwd_dq_kernel": "dq",
     "bwd_dkdv_kernel": "dkdv",
+    "decode_kernel": "decode",
 }
 
 
@@ -217,7 +248,8 @@ def _allow_tf32(on: bool):
 
 
 def launches(case: Case) -> list[Launch]:
-    """The launches ``host._forward`` and ``host._backward`` make for ``case`` (recorded)."""
+    """The launches ``host._forward`` and ``host._backward`` make for ``case`` (recorded), or
+    ``host._decode``'s for a decode case."""
     if K.INTERPRETED:
         raise RuntimeError(
             "the kernels were decorated for the interpreter: unset TRITON_INTERPRET and rerun"
@@ -227,6 +259,10 @@ def launches(case: Case) -> list[Launch]:
     shape = (BATCH, HEADS, SEQ_LEN, case.head_dim)
     q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
     mask = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool) if case.mask else None
+    if case.decode:  # one kv head for the HEADS query heads, decode // HEADS queries each
+        q = torch.zeros(BATCH, HEADS, case.decode // HEADS, case.head_dim, dtype=dtype)
+        k, v = (torch.zeros(BATCH, 1, SEQ_LEN, case.head_dim, dtype=dtype) for _ in range(2))
+        mask = torch.ones(BATCH, 1, 1, SEQ_LEN, dtype=torch.bool) if case.mask else None
     c, log_n = variant.softplus_scale(case.head_dim, None)
     p = variant.options.get("p")
     p = None if p is None else float(p)
@@ -243,28 +279,20 @@ def launches(case: Case) -> list[Launch]:
     recorded: list[Launch] = []
 
     def record(kernel, tuned, rows, parallel, *a, **kw):
-        name = kernel.fn.__name__
-        recorded.append(Launch(_NAMES.get(name, name), kernel, tuned, a, kw))
+        name = _NAMES.get(kernel.fn.__name__, kernel.fn.__name__)
+        name += str(kw["PASS"]) if name == "decode" else ""  # LSSAR's two decode launches
+        name += "-train" if kw.get("FOLD_F") else ""  # LSSAR's forward for a backward
+        recorded.append(Launch(name, kernel, tuned, a, kw))
 
     with mock.patch.object(host, "_launch", record), _allow_tf32(case.tf32):
-        out, stats = host._forward(q, k, v, *args, spans)
-        mask_, causal, c_, log_n_, qk_norm, p_, precise = args
-        host._backward(
-            torch.zeros_like(out),
-            q,
-            k,
-            v,
-            out,
-            mask_,
-            stats,
-            causal,
-            c_,
-            log_n_,
-            qk_norm,
-            p_,
-            precise,
-            spans,
-        )
+        if case.decode:
+            host._decode(q, k, v, *args)
+            return recorded
+        if p is not None:  # LSSAR's inference forward (no F_i vectors; LSSA's is the same)
+            host._forward(q, k, v, *args, spans, for_backward=False)
+        out, stats, aux = host._forward(q, k, v, *args, spans)
+        grad = torch.zeros_like(out)
+        host._backward(grad, q, k, v, out, mask, stats, aux, *args[1:], case.deterministic, spans)
     return recorded
 
 
@@ -286,12 +314,14 @@ class Build:
     key: str  # cache key
 
 
-def _config_label(cfg: triton.Config) -> str:
-    """``"BMxBN wW sS"``, then the dk/dv formulation's flags that are set (``key-major``,
-    ``one-grad``)."""
-    kw = cfg.kwargs
+def _config_label(cfg: triton.Config, launch: dict | None = None) -> str:
+    """``"BMxBN wW sS"`` (``"BM wW sS"`` for a kernel without key blocks), then the dk/dv
+    formulation's flags that are set (``key-major``, ``one-grad``); a tile size the launch
+    passes itself (the decode kernel's ``BM``) from ``launch``."""
+    kw = {**(launch or {}), **cfg.kwargs}
     flags = "".join(f" {f}" for k, f in _FLAGS.items() if kw.get(k, False))
-    return f"{kw['BM']}x{kw['BN']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
+    tile = f"{kw['BM']}x{kw['BN']}" if "BN" in kw else str(kw["BM"])  # rows: no key blocks
+    return f"{tile} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 
 _FLAGS = {"KEY_MAJOR": "key-major", "ONE_GRAD": "one-grad"}
@@ -313,13 +343,14 @@ def specialise(kernel, args: tuple, kwargs: dict, arch: int) -> tuple[dict, dict
 
 
 def _risk(ln: Launch, cfg: triton.Config) -> tuple[float, int]:
-    if ln.name not in A.REG_BUDGET:  # a kernel the estimates do not know: every config is risky
+    kind = ln.name.removesuffix("-train")
+    if kind not in A.REG_BUDGET:  # a kernel the estimates do not know: every config is risky
         return float("inf"), 0
     bm, bn, bd, bdv = cfg.kwargs["BM"], cfg.kwargs["BN"], ln.kwargs["BD"], ln.kwargs["BDV"]
     ieee, tf32 = A.precision(dict(zip(ln.kernel.arg_names, ln.args)), ln.kwargs)
     esize = 4 if ieee or tf32 else 2
-    words = A._cfg_words(ln.name, cfg, bd, bdv, esize)
-    return words, A._shared_bytes(ln.name, bm, bn, cfg.num_stages, bd, bdv, esize)
+    words = A._cfg_words(kind, cfg, bd, bdv, esize)
+    return words, A._shared_bytes(kind, bm, bn, cfg.num_stages, bd, bdv, esize)
 
 
 def _cache_key(kernel, signature, constexprs, attrs, options, arch) -> str:
@@ -343,19 +374,20 @@ def builds(
     for case in cases:
         for ln in launches(case):
             nargs = dict(zip(ln.kernel.arg_names, ln.args))
-            pruned = ln.tuned.configs
-            if ln.tuned.early_config_prune:
-                pruned = ln.tuned.early_config_prune(ln.tuned.configs, nargs, **ln.kwargs)
-            chosen = pruned if kept_only or riskiest else ln.tuned.configs
-            if riskiest:
-                chosen = sorted(chosen, key=lambda c: _risk(ln, c), reverse=True)[:riskiest]
-            for cfg in chosen:
-                kw = {**ln.kwargs, **cfg.all_kwargs()}
-                for arch in archs:
+            for arch in archs:
+                pruned = ln.tuned.configs
+                if ln.tuned.early_config_prune:  # the pruning on a device of this arch
+                    with mock.patch.object(A, "device_arch", lambda arch=arch: arch):
+                        pruned = ln.tuned.early_config_prune(ln.tuned.configs, nargs, **ln.kwargs)
+                chosen = pruned if kept_only or riskiest else ln.tuned.configs
+                if riskiest:
+                    chosen = sorted(chosen, key=lambda c: _risk(ln, c), reverse=True)[:riskiest]
+                for cfg in chosen:
+                    kw = {**ln.kwargs, **cfg.all_kwargs()}
                     sig, cst, attrs, opts = specialise(ln.kernel, ln.args, kw, arch)
                     out.append(
                         Build(
-                            case, ln.name, _config_label(cfg), arch, cfg in pruned,
+                            case, ln.name, _config_label(cfg, ln.kwargs), arch, cfg in pruned,
                             ln.kernel.fn.__module__, ln.kernel.fn.__name__,
                             sig, cst, attrs, opts,
                             _cache_key(ln.kernel, sig, cst, attrs, opts, arch),

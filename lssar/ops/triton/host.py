@@ -56,11 +56,14 @@ from torch import Tensor
 from lssar.ops.common import NORM_EPS, as_4d, inv_norm, uniform_tolerance, visible_counts
 from lssar.ops.spans import KeySpans, span_counts
 from lssar.ops.triton import autotune as A
+from lssar.ops.triton import decode as DEC
 from lssar.ops.triton import kernels as K
 from lssar.ops.variants import Variant
 
 MAX_HEAD_DIM = 256
 INTERPRET_BLOCK = 16  # tl.dot needs tiles of at least 16
+INTERPRET_SMS = 8  # the SMs a decode step is split for when interpreted (tests see several slices)
+DECODE_MAX_QUERIES = 16  # a call with at most this many queries and no gradient is a decode step
 # the dk/dv formulation launched when interpreted (the GPU's autotuner picks it per config:
 # lssar.ops.triton.autotune); tests set it to run the sm_90 wgmma formulations
 INTERPRET_DKDV = {"KEY_MAJOR": False, "ONE_GRAD": False}
@@ -77,19 +80,26 @@ def _interpreting() -> bool:
 def _launch(kernel, tuned, rows: int, parallel: int, *args: Any, **kwargs: Any) -> None:
     """Launch ``ceil(rows / block) * parallel`` programs on a 1-D grid (axis 0 takes 2^31 - 1
     programs, axis 1 only 65,535: large batch x heads would not launch); the kernels split the
-    program id back into (block, batch*head). The dk/dv kernel's ``ONE_GRAD`` configs take two
+    program id back into (block, batch*head). The block is ``BM`` (row kernels), ``BN`` (dk/dv)
+    or one (decode: ``rows`` slices). The dk/dv kernel's ``ONE_GRAD`` configs take two
     programs per key block (one for dk, one for dv). Fixed 16x16 tiles when interpreted (dk/dv
     with :data:`INTERPRET_DKDV`'s formulation)."""
     dkdv = kernel is K.bwd_dkdv_kernel
+    block = "BN" if dkdv else None if kernel is DEC.decode_kernel else "BM"
     if _interpreting():
         meta = {"BM": INTERPRET_BLOCK, "BN": INTERPRET_BLOCK, **(INTERPRET_DKDV if dkdv else {})}
-        grid = (triton.cdiv(rows, INTERPRET_BLOCK) * parallel * _programs_per_block(meta),)
+        meta = {k: v for k, v in meta.items() if k in kernel.arg_names and k not in kwargs}
+        size = 1 if block is None else INTERPRET_BLOCK
+        grid = (triton.cdiv(rows, size) * parallel * _programs_per_block(meta),)
         kernel[grid](*args, **meta, **kwargs)
         return
-    block = "BN" if dkdv else "BM"
-    tuned[lambda meta: (triton.cdiv(rows, meta[block]) * parallel * _programs_per_block(meta),)](
-        *args, **kwargs
-    )
+    tuned[
+        lambda meta: (
+            triton.cdiv(rows, 1 if block is None else meta[block])
+            * parallel
+            * _programs_per_block(meta),
+        )
+    ](*args, **kwargs)
 
 
 def _programs_per_block(meta: dict) -> int:
@@ -125,6 +135,16 @@ def _tf32(dtype: torch.dtype) -> bool:
         and bool(torch.backends.cuda.matmul.allow_tf32)
         and default in (None, "tf32")
     )
+
+
+def _poly(dtype: torch.dtype, precise: bool) -> int:
+    """Degree of the kernels' log2(1 + u) polynomial (relative error in fp32): 8 for fp32 inputs
+    (1.5e-7, a few ulp), 6 for half-precision inputs with ``precise`` (1.4e-6, below the
+    ``hi + lo`` split's 2^-16), 5 without (8.5e-6: weights are rounded to 2^-9 / 2^-11 for the
+    products; even raised to p = 15 near a row's maximum the error stays below that rounding)."""
+    if dtype == torch.float32:
+        return 8
+    return 6 if precise else 5
 
 
 def _unit_scale(x: Tensor) -> Tensor:
@@ -211,8 +231,9 @@ class _Launch:
             self.mstrides = self.m.stride()
         # spans: each row's key bounds (int32 planes); without them a placeholder pointer
         self.sp = stats if spans is None else _span_planes(spans)
-        pp = 1.0 if p is None else p
-        self.scalars = (H, H // hk, t_q, t_k, t_k - t_q, B * H * t_q, scale, pp, UNIFORM_TOL)
+        self.p = 1.0 if p is None else p
+        self.scale = scale
+        self.plane = B * H * t_q
         self.keys = (_len_key(t_q), _len_key(t_k))
         self.meta = dict(
             D=d,
@@ -230,7 +251,17 @@ class _Launch:
             SPLIT=bool(precise) and q.dtype in (torch.float16, torch.bfloat16),
             HAS_SPANS=spans is not None,
             HAS_SINKS=spans is not None and spans.sink_lo is not None,
+            POLY=_poly(q.dtype, precise),
         )
+
+    def sizes(self) -> tuple:
+        """``H, G, T_q, T_k, off, plane`` (the kernels' leading scalars)."""
+        return (self.H, self.H // self.HK, self.t_q, self.t_k, self.t_k - self.t_q, self.plane)
+
+    def kw(self, kernel, **extra: Any) -> dict[str, Any]:
+        """The constexprs ``kernel`` takes, from :attr:`meta` and ``extra``."""
+        names = set(kernel.arg_names)
+        return {k: v for k, v in {**self.meta, **extra}.items() if k in names}
 
     def strides(self, *ts: Tensor) -> tuple[int, ...]:
         return tuple(s for t in ts for s in t.stride()[:3])
@@ -240,7 +271,14 @@ def _contiguous_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=None):
+def _forward(
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=None, for_backward=True
+):
+    """``(out, stats, aux)``: the output, the rows' ``(N, mu, x_max, W)`` (fp32
+    ``(4, B, H, T_q)``) and, for LSSAR with ``for_backward``, ``p / (W x_max) (U - S out)`` and
+    the fp32 output per row (``(B, H, T_q, 2, BDV)``, :func:`lssar.ops.triton.kernels.fwd_kernel`),
+    which the backward turns into ``F_i`` and an exact ``D_i`` with no pass over the keys (empty
+    otherwise: an inference forward skips the extra product and accumulator)."""
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     B, H, t_q, _ = q.shape
     t_k = k.shape[2]
@@ -249,8 +287,10 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=
     buf_dtype = torch.float32 if _interpreting() and q.dtype == torch.bfloat16 else q.dtype
     out = torch.zeros(B, H, t_q, v.shape[-1], dtype=buf_dtype, device=q.device)
     stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=q.device)  # N, mu, x_max, W
+    fold = p is not None and for_backward
+    aux = torch.zeros(_aux_shape(q, v, p, fold), dtype=torch.float32, device=q.device)
     if t_q == 0 or t_k == 0 or B * H == 0:
-        return out, stats
+        return out, stats, aux
     if spans is None:
         n = visible_counts(mask, is_causal, t_q, t_k, q.device)  # (B|1, H|1, T_q|1, 1)
     else:
@@ -262,66 +302,163 @@ def _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans=
         A.fwd_tuned,
         t_q,
         B * H,
-        q, k, v, out, stats, L.iq, L.ik, L.m, L.sp,
+        q, k, v, out, stats, aux, L.iq, L.ik, L.m, L.sp,
         *L.strides(q, k, v, out), *L.mstrides,
-        *L.scalars, *L.keys,
-        **L.meta,
+        *L.sizes(), L.scale, L.p, UNIFORM_TOL, *L.keys,
+        **L.kw(K.fwd_kernel, FOLD_F=fold),
     )  # fmt: skip
-    return out.to(q.dtype), stats
+    return out.to(q.dtype), stats, aux
+
+
+def _aux_shape(q: Tensor, v: Tensor, p: float | None, fold: bool) -> tuple[int, ...]:
+    """Shape of the forward's ``aux`` output: LSSAR's per-row vectors, or empty."""
+    return (*q.shape[:3], 2, _pow2(v.shape[-1])) if p is not None and fold else (0,)
+
+
+def _deterministic(deterministic: bool) -> bool:
+    """The backward's dq: deterministic (its own kernel) if asked for or if torch's
+    ``torch.use_deterministic_algorithms(True)`` is in force; else fused into dk/dv (atomics),
+    for half-precision inputs (:func:`_backward`)."""
+    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
 
 
 def _backward(
-    grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise, spans=None
-):
+    grad, q, k, v, out, mask, stats, aux, is_causal, scale, log_n, qk_norm, p, precise,
+    deterministic=False, spans=None,
+):  # fmt: skip
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     grad, out = _contiguous_last(grad), _contiguous_last(out)
     B, H, t_q, d = q.shape
     hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
     if t_q == 0 or t_k == 0 or B * H == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if p is not None and aux.numel() == 0:
+        raise RuntimeError(
+            "the LSSAR backward needs the forward's F_i vectors: run the forward with "
+            "for_backward=True (triton_attention does when an input requires grad)"
+        )
     L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, spans)
     key_rows = stats if spans is None else _key_rows(spans, t_q)  # dk/dv: rows seeing each key
     bd, bdv = L.meta["BD"], L.meta["BDV"]
     dev = q.device
-    df = torch.empty(2, B, H, t_q, dtype=torch.float32, device=dev)  # D_i, F_i
-    dq = torch.empty(B, H, t_q, bd, dtype=torch.float32, device=dev)
+    rc = torch.empty(K.RC_PLANES, B, H, t_q, dtype=torch.float32, device=dev)  # row coefficients
+    # fp32 inputs keep the dq kernel: the fused dq spilled in their FMA-unit dk/dv tiles
+    fused = not _deterministic(deterministic) and q.dtype in (torch.float16, torch.bfloat16)
+    dq = (torch.zeros if fused else torch.empty)(B, H, t_q, bd, dtype=torch.float32, device=dev)
     dk = torch.empty(B, hk, t_k, bd, dtype=torch.float32, device=dev)
     dvv = torch.empty(B, hk, t_k, bdv, dtype=torch.float32, device=dev)
-    common = (*L.scalars, *L.keys)
     _launch(
         K.bwd_rows_kernel,
         A.rows_tuned,
         t_q,
         B * H,
-        q, k, v, out, grad, stats, df, L.iq, L.ik, L.m, L.sp,
-        *L.strides(q, k, v, out, grad), *L.mstrides,
-        *common,
-        **L.meta,
+        out, grad, stats, aux, rc, L.iq,
+        *L.strides(out, grad),
+        H, t_q, L.plane, L.scale, L.p,
+        **L.kw(K.bwd_rows_kernel),
     )  # fmt: skip
-    _launch(
-        K.bwd_dq_kernel,
-        A.dq_tuned,
-        t_q,
-        B * H,
-        q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, dq,
-        *L.strides(q, k, v, grad), *L.mstrides,
-        *common,
-        **L.meta,
-    )  # fmt: skip
+    sizes = (*L.sizes(), L.p, *L.keys)
+    if not fused:
+        _launch(
+            K.bwd_dq_kernel,
+            A.dq_tuned,
+            t_q,
+            B * H,
+            q, k, v, grad, rc, L.ik, L.m, L.sp, dq,
+            *L.strides(q, k, v, grad), *L.mstrides,
+            *sizes,
+            **L.kw(K.bwd_dq_kernel),
+        )  # fmt: skip
     _launch(
         K.bwd_dkdv_kernel,
         A.dkdv_tuned,
         t_k,
         B * hk,
-        q, k, v, grad, stats, df, L.iq, L.ik, L.m, L.sp, key_rows, dk, dvv,
+        q, k, v, grad, rc, L.ik, L.m, L.sp, key_rows, dk, dvv, dq,
         *L.strides(q, k, v, grad), *L.mstrides,
-        *common,
-        **L.meta,
+        *sizes,
+        **L.kw(K.bwd_dkdv_kernel, FUSED_DQ=fused),
     )  # fmt: skip
     dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]
     if qk_norm:
         dq, dk = _unnormalise_grad(q, dq), _unnormalise_grad(k, dk)
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (:data:`INTERPRET_SMS` when interpreted or
+    recorded on CPU tensors by the compile check)."""
+    if _interpreting() or device.type != "cuda":
+        return INTERPRET_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise) -> Tensor:
+    """A decode step on :mod:`lssar.ops.triton.decode`'s split-K kernels (forward only):
+    ``(B, H, T_q, D_v)`` in ``q``'s dtype. The host adds the slices' partial sums."""
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    B, H, t_q, _ = q.shape
+    hk, t_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g, dev = H // hk, q.device
+    stats = torch.zeros(4, B, H, t_q, dtype=torch.float32, device=dev)  # N (the rest unused)
+    stats[0] = visible_counts(mask, is_causal, t_q, t_k, dev).squeeze(-1).expand(B, H, t_q)
+    L = _Launch(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, stats, None)
+    bm, bdv = DEC.rows_per_program(g, t_q), L.meta["BDV"]
+    align = INTERPRET_BLOCK if _interpreting() else DEC.MAX_BN
+    nsplit, span = DEC.splits(B * hk, t_k, _sm_count(dev), align)
+    f32 = dict(dtype=torch.float32, device=dev)
+    part = torch.empty(nsplit, B * hk, bm, bdv, **f32)  # sum_j w_ij v_j per slice
+    prow = torch.empty(3, nsplit, B * hk, bm, **f32)  # Z_i, max_j t_ij, W_i per slice
+    scores = torch.empty(B * hk, g * t_q, t_k, **f32) if p is not None else stats  # LSSAR's t_ij
+    for step in (1, 2) if p is not None else (2,):
+        _launch(
+            DEC.decode_kernel,
+            DEC.decode_tuned,
+            nsplit,
+            B * hk,
+            q, k, v, stats, L.iq, L.ik, L.m, scores, part, prow,
+            *L.strides(q, k, v), *L.mstrides,
+            *L.sizes(), L.scale, L.p, UNIFORM_TOL, nsplit, span, B * hk,
+            **L.kw(DEC.decode_kernel, PASS=step, BM=bm),
+        )  # fmt: skip
+    w = prow[2].sum(0)  # (B * hk, bm)
+    out = part.sum(0) / torch.where(w > 0, w, 1.0).unsqueeze(-1)
+    out = out[:, : g * t_q, :dv].reshape(B, hk, g, t_q, dv).reshape(B, H, t_q, dv)
+    return out.to(q.dtype)
+
+
+@torch.library.custom_op("lssar::triton_softplus_decode", mutates_args=())
+def triton_softplus_decode_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    log_n: bool,
+    qk_norm: bool,
+    p: float | None,
+    precise: bool,
+) -> Tensor:
+    """A decode step, forward only (no autograd): the arguments as
+    :func:`triton_softplus_attention_op`'s; ``out (B,H_q,T_q,D_v)`` in ``q``'s dtype."""
+    return _decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise)
+
+
+@triton_softplus_decode_op.register_fake
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+def _decode_step(
+    query: Tensor, key: Tensor, value: Tensor, spans: KeySpans | None, grad: bool
+) -> bool:
+    """Whether a call runs on the decode kernels: at most :data:`DECODE_MAX_QUERIES` queries,
+    their GQA group's rows fit one tile (:func:`lssar.ops.triton.decode.applies`), and no
+    gradient to record (``grad``)."""
+    return (
+        query.shape[2] <= DECODE_MAX_QUERIES and DEC.applies(query, key, value, spans) and not grad
+    )
 
 
 @torch.library.custom_op("lssar::triton_softplus_attention", mutates_args=())
@@ -336,28 +473,39 @@ def triton_softplus_attention_op(
     qk_norm: bool,
     p: float | None,
     precise: bool,
+    deterministic: bool = False,
+    for_backward: bool = True,
     lo: Tensor | None = None,
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
     sink_hi: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward. ``q (B,H_q,T_q,D)``, ``k (B,H_kv,T_k,D)``, ``v (B,H_kv,T_k,D_v)`` ->
-    ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W).
+    ``(out (B,H_q,T_q,D_v)`` in ``q``'s dtype, ``stats (4,B,H_q,T_q)`` fp32: N, mu, x_max, W,
+    ``aux`` fp32: LSSAR's ``(B,H_q,T_q,2,BDV)`` vectors for ``F_i`` and ``D_i`` when
+    ``for_backward``, else empty).
 
     ``scale`` is ``ln(D)`` when ``log_n`` (then ``c_i = scale * ln N_i``), else the constant ``c``;
     ``qk_norm`` L2-normalises ``q`` and ``k`` in-kernel; ``p`` is the re-weighting power or None;
-    ``precise`` splits half-precision weights into two products (see :func:`triton_attention`).
+    ``precise`` splits half-precision weights into two products, ``deterministic`` keeps the
+    backward's dq in its own kernel (see :func:`triton_attention`).
     ``lo .. sink_hi``: a :class:`lssar.ops.spans.KeySpans`' ``(T_q,)`` vectors (documents, a
     window, sinks; ``is_causal`` folded in), or None.
     """
     spans = _spans(lo, hi, sink_lo, sink_hi, k.shape[2])
-    return _forward(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans)
+    args = (q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, spans)
+    return _forward(*args, for_backward=for_backward)
 
 
 @triton_softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, *spans):
+def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic=False,
+      for_backward=True, *spans):  # fmt: skip
     B, H, t_q, _ = q.shape
-    return q.new_empty(B, H, t_q, v.shape[-1]), q.new_empty(4, B, H, t_q, dtype=torch.float32)
+    return (
+        q.new_empty(B, H, t_q, v.shape[-1]),
+        q.new_empty(4, B, H, t_q, dtype=torch.float32),
+        q.new_empty(_aux_shape(q, v, p, for_backward), dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("lssar::triton_softplus_attention_backward", mutates_args=())
@@ -369,12 +517,14 @@ def triton_softplus_attention_backward_op(
     out: Tensor,
     mask: Tensor | None,
     stats: Tensor,
+    aux: Tensor,
     is_causal: bool,
     scale: float,
     log_n: bool,
     qk_norm: bool,
     p: float | None,
     precise: bool,
+    deterministic: bool,
     lo: Tensor | None = None,
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
@@ -383,29 +533,29 @@ def triton_softplus_attention_backward_op(
     """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``; dk/dv summed over
     each GQA group."""
     spans = _spans(lo, hi, sink_lo, sink_hi, k.shape[2])
-    args = (is_causal, scale, log_n, qk_norm, p, precise, spans)
-    return _backward(grad, q, k, v, out, mask, stats, *args)
+    args = (is_causal, scale, log_n, qk_norm, p, precise, deterministic, spans)
+    return _backward(grad, q, k, v, out, mask, stats, aux, *args)
 
 
 @triton_softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, out, mask, stats, is_causal, scale, log_n, qk_norm, p, precise, *spans):
+def _(grad, q, k, v, out, mask, stats, aux, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, *spans = inputs
-    out, stats = output
-    ctx.save_for_backward(q, k, v, out, mask, stats, *spans)
-    ctx.args = (is_causal, scale, log_n, qk_norm, p, precise)
-    ctx.mark_non_differentiable(stats)
+    q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic, _, *spans = inputs
+    out, stats, aux = output
+    ctx.save_for_backward(q, k, v, out, mask, stats, aux, *spans)
+    ctx.args = (is_causal, scale, log_n, qk_norm, p, precise, deterministic)
+    ctx.mark_non_differentiable(stats, aux)
 
 
-def _autograd_backward(ctx, grad, _grad_stats):
-    q, k, v, out, mask, stats, *spans = ctx.saved_tensors
+def _autograd_backward(ctx, grad, _grad_stats, _grad_aux):
+    q, k, v, out, mask, stats, aux, *spans = ctx.saved_tensors
     dq, dk, dv = triton_softplus_attention_backward_op(
-        grad.contiguous(), q, k, v, out, mask, stats, *ctx.args, *spans
+        grad.contiguous(), q, k, v, out, mask, stats, aux, *ctx.args, *spans
     )
-    return dq, dk, dv, *(None,) * (7 + len(spans))
+    return dq, dk, dv, *(None,) * (9 + len(spans))
 
 
 triton_softplus_attention_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -424,6 +574,7 @@ def triton_attention(
     variant: Variant,
     options: dict[str, Any],
     precise: bool = True,
+    deterministic: bool = False,
     spans: KeySpans | None = None,
 ) -> Tensor:
     """Fused softplus-l1 attention (lssa, lssar, softplus-l1; any ``p``) on Triton.
@@ -464,7 +615,13 @@ def triton_attention(
     if variant.qk_norm:  # divide by the largest entry first: the in-kernel norm then sees
         # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant
         query, key = _unit_scale(query), _unit_scale(key)
-    out, _ = triton_softplus_attention_op(
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if _decode_step(query, key, value, spans, grad):
+        args = (float(c), log_n, bool(variant.qk_norm), None if p is None else float(p))
+        return triton_softplus_decode_op(
+            query, key, value, attn_mask, bool(is_causal), *args, bool(precise)
+        )
+    out, _, _ = triton_softplus_attention_op(
         query,
         key,
         value,
@@ -475,6 +632,8 @@ def triton_attention(
         bool(variant.qk_norm),
         None if p is None else float(p),
         bool(precise),
+        bool(deterministic),
+        grad,
         *(() if spans is None else (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)),
     )
     return out
