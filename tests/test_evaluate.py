@@ -16,7 +16,8 @@ from lssar.data import passkey
 from lssar.ops.variants import VARIANTS
 from lssar.spec import AttentionSpec
 from lssar.studies import common
-from lssar.studies.lm import evaluate, presets
+from lssar.studies.labels import label_of
+from lssar.studies.lm import evaluate, presets, verdicts
 from lssar.studies.lm import passkey as pk
 from lssar.studies.lm import report as reproduce_report
 from lssar.studies.lm import study as lm_study
@@ -394,15 +395,20 @@ def test_report_verdicts_from_intervals(tmp_path, clean_env):
     assert "| + QK-norm and ln N scale (two changes) | softmax-qknorm-logn - softmax |" in text
     assert "evaluations at bbbbbbbbbb; this report at cccccccccc." in text
     assert '"argv": [\n  "lssar",\n  "reproduce"\n ]' in text  # its own invocation's environment
-    # flat: 2.3 / 1.935 = 1.19 on every seed (same shift) -> tight interval above 1.10
+    # flat: 2.3 / 1.935 = 1.19 on every seed (same shift) -> tight interval above 1.10; the
+    # absolute excess 2.3 - 1.935 beside it
     assert (
-        "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 -> "
-        "**contradicted**"
+        "stays nearly flat to 16x (paper x1.04): 16x / 1x**: measured 1.19 ± 0.00 (16x - 1x = "
+        "+0.365 ± 0.000 nats per token) -> **contradicted**"
     ) in text
     assert (
-        "16x / 1x**: measured 1.53 ± 0.01 -> **supported** (criterion >= 1.5; p = 0.0037; "
-        "unchanged by Holm over the 9 declared claims)"
+        "16x / 1x**: measured 1.53 ± 0.01 (16x - 1x = +1.000 ± 0.000 nats per token) -> "
+        "**supported** (criterion >= 1.5; p = 0.0037; unchanged by Holm over the 9 declared "
+        "claims)"
     ) in text
+    assert "| 16x / 1x | 16x - 1x |" in text and "| 1.53 ± 0.01 | +1.000 ± 0.000 |" in text
+    # the paper's table carries its sources' caveats (docs/method.md section 7)
+    assert reproduce_report.PAPER_CAVEAT in text
     assert "lssar p=15 - softmax**: measured -0.600 ± 0.000 -> **supported**" in text
     # 1.935 vs 1.9: +1.8% on every seed (inside +-2%): equivalent by TOST
     assert (
@@ -724,9 +730,43 @@ def test_tiny_end_to_end_reproduce(runs, tmp_path, monkeypatch):
     alternatives = text.split("## LSSAR against the practitioner's alternatives")[1]
     assert "| ALiBi (softmax, trained) | lssar p=15 - softmax + alibi |" in alternatives
     assert "| YaRN on softmax+RoPE | lssar p=15 - softmax -> yarn auto (eval only) |" in text
-    assert "Lowest mean loss at 2x among lssar p=15, softmax, softmax + alibi" in alternatives
+    # the window control is in the set the best method is chosen from
+    assert (
+        "Lowest mean loss at 2x among lssar p=15, softmax, softmax, sliding window 96, "
+        "softmax + alibi"
+    ) in alternatives
     results = json.loads((out / "results.json").read_text())["results"]
     assert len(results) == 18 and all(r["eval_version"] for r in results)
+    # every result has the copy probe at 2L; every one but the window control its own window
+    by_label: dict[str, list] = {}
+    for r in results:
+        by_label.setdefault(label_of(r), []).append(r)
+        assert list(r["copy"]["second"]) == ["192"] and r["copy"]["segment"] == 64
+        assert r["copy"]["probes"] == evaluate.COPY_PROBES
+        assert ("own_window" in r) == (r["window"] is None), label_of(r)
+    for r in results:
+        if r["window"] is None:
+            assert list(r["own_window"]["loss"]) == ["192"] and r["own_window"]["window"] == 96
+    # softmax's own window is the window control: the same windows and probes, the same numbers
+    for soft, win in zip(by_label["softmax"], by_label["softmax, sliding window 96"]):
+        assert soft["own_window"]["loss"]["192"] == win["loss"]["192"]
+        assert soft["own_window"]["copy"]["second"] == win["copy"]["second"]
+        assert soft["copy"]["first"] == win["copy"]["first"]  # the first copy: same keys
+    context = text.split("## Does each arm use the context beyond L?")[1].split("\n## ")[0]
+    assert "| lssar p=15 | lssar p=15 - lssar p=15, own window |" in context
+    assert "### The copy probe" in context and "| softmax + alibi | " in context
+    # by quarter of the 2x window: the first L positions (Q1, Q2) see at most L keys either way
+    assert "### Where in the longest window (2x)" in context
+    assert "| arm | a - b | Q1 | Q2 | Q3 | Q4 |" in context
+    groups = {label: rs for label, rs in by_label.items() if label != "softmax, sliding window 96"}
+    full_q, own_q = verdicts.by_quarter_of(groups), verdicts.by_quarter_of(groups, own=True)
+    assert set(full_q) == set(own_q) == set(groups)
+    for label in full_q:
+        for q in (1, 2):
+            assert full_q[label][q] == pytest.approx(own_q[label][q], abs=1e-4), label
+        assert full_q[label][4] != own_q[label][4]
+    assert "LSSAR uses context beyond L (full context beats its own L-key window at 2x)" in text
+    assert "LSSAR copies from beyond L (copy probe, 2x L back" in text
     assert sum("passkey" in r for r in results) == 4  # softmax and its window control, 2 seeds
     assert "| softmax, sliding window 96 | " in text.split("### By distance from the question")[1]
     # YaRN at factor auto is the softmax model itself at 1x

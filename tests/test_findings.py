@@ -68,6 +68,22 @@ def test_percent_ratio_and_missing_arms():
     assert "cannot read the expression" in garbled[0].problem
 
 
+def test_an_equivalence_marker_quotes_tost_and_an_excess_is_a_paired_difference():
+    expr = 'loss "lssar p=15" - "softmax + alibi" @16'
+    # TOST's 90% interval 0.207 .. 0.281: inside +-0.5, not inside +-0.02
+    wide = _one("0.207 to 0.281", f"{expr} tost 0.5 = 0.207 to 0.281; equivalent")
+    assert wide[0].problem is None
+    narrow = _one("0.207 to 0.281", f"{expr} tost 0.02 = 0.207 to 0.281; equivalent")
+    assert "says not equivalent" in narrow[0].problem
+    off = _one("0.217 to 0.281", f"{expr} tost 0.02 = 0.217 to 0.281; not equivalent")
+    assert "TOST's 90% interval is 0.2070" in off[0].problem
+    bare = _one("0.207 to 0.281", f"{expr} = 0.207 to 0.281; equivalent")
+    assert "add 'tost MARGIN'" in bare[0].problem
+    # 16x - 1x, paired by seed (nats per token)
+    got = _one("+0.358 ± 0.024", 'loss "lssar p=15" @16-1 = +0.358 ± 0.024; sig')
+    assert got[0].problem is None and abs(got[0].got.mean - 0.3579) < 1e-3
+
+
 def test_equivalence_words_are_flagged_outside_markers():
     text = "What the committed reports show\n- LSSAR matches softmax at 1x.\n## Next\nties"
     assert equivalence_words(findings_section(text)) == ["matches"]

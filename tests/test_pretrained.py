@@ -224,6 +224,19 @@ def test_evaluation_interface_matches_the_model(tiny_dir, corpus, tmp_path):
         assert int((weights[0][0, 0, -1] > 0).sum()) == 8  # the last row sees its last 8 keys
         torch.testing.assert_close(windowed[:, :8], loss[:, :8], atol=1e-5, rtol=1e-5)
         assert not torch.allclose(windowed[:, 20:], loss[:, 20:])
+        # sink tokens: the first keys stay visible beside the window (each row: 8 + 2 keys)
+        weights = []
+        _, sunk = lm(x[:, :-1], x[:, 1:], reduction="none", window=8, sink_tokens=2,
+                     weights=weights)  # fmt: skip
+        row = weights[0][0, 0, -1] > 0
+        assert int(row.sum()) == 10 and bool(row[:2].all()) and not bool(row[2:-8].any())
+        torch.testing.assert_close(sunk[:, :10], loss[:, :10], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(sunk[:, 20:], windowed[:, 20:])
+        # as many sinks as positions: every key visible again, the full-context loss
+        _, every = lm(x[:, :-1], x[:, 1:], reduction="none", window=8, sink_tokens=49)
+        torch.testing.assert_close(every, loss, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="needs config.lssar_window"):
+            lm(x[:, :-1], x[:, 1:], reduction="none", sink_tokens=2)
 
 
 def test_documents_protocol_equals_separate_windows(tiny_dir, corpus, tmp_path):

@@ -183,7 +183,9 @@ def attention_function(name: str) -> Callable[..., tuple[Tensor, None]]:
                     "sequence; pass packed sequences without padding (DataCollatorWithFlattening)"
                 )
             mask, causal = bool_mask(attention_mask), False  # HF masks already hold causality
-        spans = _eval_window(spans, getattr(config, "lssar_window", None))
+        spans = _eval_window(
+            spans, getattr(config, "lssar_window", None), getattr(config, "lssar_sink_tokens", 0)
+        )
         if docs is not None:  # one row of B * T tokens, FlashAttention's varlen layout
             query, key, value = packing.flatten(query), packing.flatten(key), packing.flatten(value)
             spans |= {"cu_seqlens": docs[0], "cu_seqlens_k": docs[1]}
@@ -241,18 +243,23 @@ def _window(sliding_window: Any, causal: bool, t_k: int) -> dict[str, Any]:
     return {"window": (sliding_window - 1, 0)}
 
 
-def _eval_window(spans: dict[str, Any], lssar_window: Any) -> dict[str, Any]:
+def _eval_window(spans: dict[str, Any], lssar_window: Any, sinks: Any = 0) -> dict[str, Any]:
     """``spans`` with ``config.lssar_window`` (keys per query, the sliding-window control set by
     :func:`lssar.integrations.pretrained.set_attention`) applied: the narrower of it and the
-    model's own window."""
+    model's own window; ``config.lssar_sink_tokens`` (``sinks``): the first keys of the sequence
+    stay visible beside the window (StreamingLLM's attention sinks)."""
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"config.lssar_sink_tokens must be an int >= 0, got {sinks!r}")
     if lssar_window is None:
+        if sinks:
+            raise ValueError("config.lssar_sink_tokens needs config.lssar_window (a window)")
         return spans
     if isinstance(lssar_window, bool) or not isinstance(lssar_window, int) or lssar_window < 1:
         raise ValueError(f"config.lssar_window must be an int >= 1, got {lssar_window!r}")
     left = lssar_window - 1
     if "window" in spans:
         left = min(left, spans["window"][0])
-    return {**spans, "window": (left, 0)}
+    return {**spans, "window": (left, 0)} | ({"sink_tokens": sinks} if sinks else {})
 
 
 def _skippable(kw: dict[str, Any]) -> bool:

@@ -105,19 +105,21 @@ class HFCausalLM(torch.nn.Module):
         reduction: str = "mean",
         window: int | None = None,
         weights: list | None = None,
+        sink_tokens: int = 0,
     ) -> tuple[Tensor | None, Tensor | None]:
         """``idx (B, T)`` -> ``(logits (B, T, V) or None, loss)`` as :meth:`GPT.forward`: with
         ``targets`` and ``reduction="none"`` the loss is ``(B, T)`` and the logits are not kept
-        (computed in chunks of :data:`LOGIT_CHUNK` positions)."""
+        (computed in chunks of :data:`LOGIT_CHUNK` positions). ``window``: every query sees its
+        last ``window`` keys and, with ``sink_tokens``, the sequence's first ``sink_tokens``."""
         self._set_rope(idx.shape[1])
         cfg = self.model.config
-        saved = getattr(cfg, "lssar_window", None)
-        cfg.lssar_window = window
+        saved = getattr(cfg, "lssar_window", None), getattr(cfg, "lssar_sink_tokens", 0)
+        cfg.lssar_window, cfg.lssar_sink_tokens = window, sink_tokens
         try:
             with hf.recording(weights):
                 hidden = self.model.get_decoder()(input_ids=idx, use_cache=False)[0]  # (B, T, C)
         finally:
-            cfg.lssar_window = saved
+            cfg.lssar_window, cfg.lssar_sink_tokens = saved
         head = self.model.get_output_embeddings()
         if targets is None:
             return head(hidden).float(), None

@@ -44,7 +44,8 @@ Quantities (``@M``: the length multiple; ``beyond`` / ``within`` / ``all``: reca
 passkey's distance from the question, and for ``sink`` the rows past the training length):
 
 - ``loss "A" @16``, ``loss "A" - "B" @16``, ``loss "A" / "B" @1`` (relative: A / B - 1),
-  ``loss "A" @16/1`` (the 16x / 1x ratio): validation loss of the LM reports;
+  ``loss "A" @16/1`` (the 16x / 1x ratio), ``loss "A" @16-1`` (the 16x - 1x excess, nats per
+  token): validation loss of the LM reports;
 - ``passkey "A" @2``: passkey accuracy (mean over depths) of the LM reports; ``passkey "A" @2
   beyond``: over the probes whose key lies beyond the training length from the question;
 - ``sink "A" @16``: first-token attention mass (mean over layers) of the LM reports, ``sink "A"
@@ -59,6 +60,10 @@ supported`` names the one claim whose text starts so; the verdict is ``supported
 ``contradicted``, ``within noise`` or ``not separable at this power``, or ``equivalent`` for an
 equivalence claim (TOST) that is supported, the only marker that lets its bullet say "matches".
 
+An equivalence test of any of these (paired by seed for a difference) is checked with ``tost
+M`` after the expression, M its margin: ``loss "A" - "B" @16 tost 0.02 = −0.065 to +0.084; not
+equivalent`` quotes TOST's 90% interval and says whether it lies inside (-M, M).
+
 Percent-valued text (``60.1 ± 6.9%``, ``−37.6 ± 9.3 points``) is compared as a fraction x 100.
 """
 
@@ -72,11 +77,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lssar.studies.stats import Interval, mean_ci
+from lssar.studies.stats import Interval, mean_ci, tost
 
 MARKER = re.compile(
     r"<!--\s*check\s+(?P<report>\S+?):\s*(?P<expr>.+?)\s+=\s+(?P<text>[^;]+?)"
-    r"(?:;\s*(?P<verdict>sig|ns))?(?:;\s*said of\s+\"(?P<subject>[^\"]+)\")?\s*-->",
+    r"(?:;\s*(?P<verdict>sig|ns|equivalent|not equivalent))?"
+    r"(?:;\s*said of\s+\"(?P<subject>[^\"]+)\")?\s*-->",
     re.S,
 )
 _CLAIM = re.compile(r'claim\s+"(?P<prefix>[^"]+)"$')
@@ -84,7 +90,8 @@ _VERDICTS = ("supported", "contradicted", "within noise", "not separable at this
 _EXPR = re.compile(
     r'(?P<q>loss|passkey|sink|recall)\s+"(?P<a>[^"]+)"'
     r'(?:\s*(?P<op>[-/])\s*"(?P<b>[^"]+)")?'
-    r"\s*@(?P<m>\d+)(?:/(?P<base>\d+))?(?:\s+(?P<dist>beyond|within|all))?$"
+    r"\s*@(?P<m>\d+)(?:(?P<lop>[/-])(?P<base>\d+))?(?:\s+(?P<dist>beyond|within|all))?"
+    r"(?:\s+tost\s+(?P<margin>\d+(?:\.\d+)?))?$"
 )
 _NUMBER = re.compile(r"[+\-−]?\d+(?:\.\d+)?")
 # only an equivalence test may say these; the LM reports print its verdicts
@@ -155,25 +162,60 @@ def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> di
     return out
 
 
-@functools.cache
-def quantity(report: Path, expr: str) -> Interval:
-    """The interval a marker's expression names (see the module docstring)."""
+def _parse(expr: str) -> re.Match:
     e = _EXPR.match(expr.strip())
     if e is None:
         raise ValueError(f"cannot read the expression {expr!r}")
+    return e
+
+
+def values(report: Path, expr: str) -> list[float]:
+    """The per-seed values a marker's expression names, in seed order (module docstring)."""
+    e = _parse(expr)
     q, a, b, op = e["q"], e["a"], e["b"], e["op"]
     m, base, dist = int(e["m"]), e["base"], e["dist"]
     va = _seed_values(report, q, a, m, dist)
-    if base is not None:  # a ratio of lengths: per seed, A at m over A at base
+    if base is not None:  # two lengths of one arm: per seed, A at m over (or minus) A at base
         vb = _seed_values(report, q, a, int(base), dist)
-        return mean_ci([va[s] / vb[s] for s in sorted(set(va) & set(vb))])
+        seeds = sorted(set(va) & set(vb))
+        if e["lop"] == "-":
+            return [va[s] - vb[s] for s in seeds]
+        return [va[s] / vb[s] for s in seeds]
     if b is None:
-        return mean_ci([va[s] for s in sorted(va)])
+        return [va[s] for s in sorted(va)]
     vb = _seed_values(report, q, b, m, dist)
     seeds = sorted(set(va) & set(vb))
     if op == "-":
-        return mean_ci([va[s] - vb[s] for s in seeds])
-    return mean_ci([va[s] / vb[s] - 1 for s in seeds])
+        return [va[s] - vb[s] for s in seeds]
+    return [va[s] / vb[s] - 1 for s in seeds]
+
+
+@functools.cache
+def quantity(report: Path, expr: str) -> Interval:
+    """The interval a marker's expression names (see the module docstring)."""
+    return mean_ci(values(report, expr))
+
+
+def _tost_problem(
+    report: Path, expr: str, margin: float, text: str, said: str | None
+) -> str | None:
+    """None when ``text`` ("lo to hi") is TOST's 90% interval of the expression's values against
+    ``margin`` and ``said`` ("equivalent" / "not equivalent") is its outcome."""
+    eq = tost(values(report, expr), margin=margin)
+    if eq.lo is None:
+        return "an equivalence test needs more than one seed"
+    if said not in ("equivalent", "not equivalent"):
+        return "a tost marker ends with '; equivalent' or '; not equivalent'"
+    nums = _NUMBER.findall(text)
+    if len(nums) != 2:
+        return f"cannot read {text!r} as TOST's 90% interval 'lo to hi'"
+    for num, value in zip(nums, (eq.lo, eq.hi)):
+        digits = len(num.split(".")[1]) if "." in num else 0
+        if abs(round(value, digits) - float(num.replace("−", "-"))) > 0.51 * 10.0**-digits:
+            return f"{text!r}: TOST's 90% interval is {eq.lo:.4f} .. {eq.hi:.4f}"
+    if (said == "equivalent") != eq.equivalent:
+        return f"TOST within ±{margin:g} says {'' if eq.equivalent else 'not '}equivalent"
+    return None
 
 
 @functools.cache
@@ -188,7 +230,8 @@ def claim_verdict(report: Path, prefix: str) -> tuple[str, bool]:
     results = _results(report)["results"]
     train = results[0]["train_len"]
     multiples = sorted({int(n) // train for r in results for n in r["loss"]})
-    claims = declared_claims(losses_of(group(results), multiples), multiples)
+    groups = group(results)
+    claims = declared_claims(losses_of(groups, multiples), multiples, groups)
     hits = [
         (c, final)
         for c, (_raw, final, _note) in zip(claims, judge_claims(claims))
@@ -328,6 +371,10 @@ def _word_problem(kind: str, word: str, quote: _Quote, claim: str | None) -> str
     """Why ``word`` (of ``kind``) does not follow from the quantity ``quote`` it is bound to
     (``claim``: the verdict of the claim judged on it, if any), or None."""
     c, iv = quote.check, quote.check.got
+    if c.verdict in ("equivalent", "not equivalent"):  # a TOST marker: its outcome, said as such
+        if kind == "equivalent":
+            return None
+        return f"{word!r} is bound to TOST's interval {c.text!r}: say (not) 'equivalent'"
     raw = quote.op is not None and c.verdict is not None  # a difference with its own verdict
     of_claim = kind in ("holm", "contradicted", "equivalent") or (
         claim is not None and (kind == "supported" or (kind == "noise" and not raw))
@@ -386,11 +433,17 @@ def _paragraph(block: str, start: int, readme: str, root: Path) -> list[Check]:
             )
         try:
             iv = quantity(root / c.report, c.expr)
+            margin = _parse(c.expr)["margin"]
+            if margin is not None:
+                problem = _tost_problem(root / c.report, c.expr, float(margin), c.text, c.verdict)
+            elif c.verdict in ("equivalent", "not equivalent"):
+                problem = f"'{c.verdict}' needs an equivalence test: add 'tost MARGIN'"
+            else:
+                problem = _agrees(c.text, iv) or _verdict_problem(c.verdict, iv)
         except (OSError, KeyError, ValueError) as exc:
             quote.check = Check(**{**c.__dict__, "problem": str(exc)})
             quotes.append(quote)
             continue
-        problem = _agrees(c.text, iv) or _verdict_problem(c.verdict, iv)
         if problem is None and quote.subject is not None and quote.subject not in quote.arms:
             problem = f"said of {quote.subject!r}, which is neither arm of {c.expr!r}"
         # the k-th marker of a text stands at its k-th occurrence; the last one also at any

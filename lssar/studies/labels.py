@@ -50,7 +50,10 @@ def label_of(r: dict[str, Any]) -> str:
     ``"softmax -> yarn auto (eval only)"`` for a RoPE scaling, ``"softmax, sliding window 128"``
     for the window control."""
     label = run_label(r["trained_attention"], r["evaluated_attention"], r.get("rope_scaling"))
-    return label if not r.get("window") else f"{label}, sliding window {r['window']}"
+    if not r.get("window"):
+        return label
+    sinks = f" + {r['sink_tokens']} sinks" if r.get("sink_tokens") else ""
+    return f"{label}, sliding window {r['window']}{sinks}"
 
 
 def group(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

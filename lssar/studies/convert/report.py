@@ -25,8 +25,10 @@ SM, LR, LA = SOFTMAX.label, LSSAR15.label, LSSA.label
 MATCH_MARGIN = 0.02  # "matches at L": |loss ratio - 1| < 2%, as the LM study's equivalence claim
 
 
-def _w(label: str, window: int) -> str:
-    return f"{label}, sliding window {window}"
+def _w(label: str, p: Preset) -> str:
+    """The label of ``label``'s own-window rows (:func:`lssar.studies.labels.label_of`)."""
+    sinks = f" + {p.sink_tokens} sinks" if p.sink_tokens else ""
+    return f"{label}, sliding window {p.seq_len}{sinks}"
 
 
 def _yarn(label: str) -> str:
@@ -76,13 +78,13 @@ def declared_claims(g: dict[str, list[dict[str, Any]]], p: Preset) -> list[Claim
         (f"LSSAR beats the fine-tuned softmax at {x}x L",
          _paired(at(LR, far), at(SM, far)), "LSSAR - softmax < 0", {"hi": 0.0}),
         (f"LSSAR at {x}x L does better than the sliding-window control",
-         _paired(at(LR, far), at(_w(SM, L), far)), "LSSAR - softmax window < 0", {"hi": 0.0}),
+         _paired(at(LR, far), at(_w(SM, p), far)), "LSSAR - softmax window < 0", {"hi": 0.0}),
         (f"LSSAR uses context beyond L (full context beats its own L-key window at {x}x)",
-         _paired(at(LR, far), at(_w(LR, L), far)), "LSSAR full - own window < 0", {"hi": 0.0}),
+         _paired(at(LR, far), at(_w(LR, p), far)), "LSSAR full - own window < 0", {"hi": 0.0}),
         (f"Fine-tuned softmax uses context beyond L (full context beats its own window at {x}x)",
-         _paired(at(SM, far), at(_w(SM, L), far)), "softmax full - own window < 0", {"hi": 0.0}),
+         _paired(at(SM, far), at(_w(SM, p), far)), "softmax full - own window < 0", {"hi": 0.0}),
         (f"LSSAR copies from {d // L}x L back (copy probe: full context beats its own window)",
-         _paired(copied(LR), copied(_w(LR, L))), "second copy, full - own window < 0",
+         _paired(copied(LR), copied(_w(LR, p))), "second copy, full - own window < 0",
          {"hi": 0.0}),
         (f"LSSAR beats LSSA at {x}x L (re-weighting helps)",
          _paired(at(LR, far), at(LA, far)), "LSSAR - LSSA < 0", {"hi": 0.0}),
@@ -115,15 +117,16 @@ def _sfmt(iv: Interval, digits: int = 3) -> str:
     return ("+" if iv.mean >= 0 else "−") + s.lstrip("-").replace("-", "−")
 
 
-def _order(labels: list[str], window: int) -> list[str]:
-    first = [ORIGINAL, SM, _yarn(SM), _w(SM, window), LR, _w(LR, window)]
+def _order(labels: list[str], p: Preset) -> list[str]:
+    first = [ORIGINAL, SM, _yarn(SM), _w(SM, p), LR, _w(LR, p)]
     return [x for x in first if x in labels] + [x for x in labels if x not in first]
 
 
-def loss_table(g: dict[str, list[dict]], lengths: list[int], L: int, key: str) -> list[str]:
+def loss_table(g: dict[str, list[dict]], lengths: list[int], p: Preset, key: str) -> list[str]:
+    L = p.seq_len
     head = "| arm | " + " | ".join(f"{t // L}x ({t})" for t in lengths) + " |"
     out = [head, "|---" * (len(lengths) + 1) + "|"]
-    for lab in _order(list(g), L):
+    for lab in _order(list(g), p):
         cells = []
         for t in lengths:
             v = per_seed(g[lab], t, key)
@@ -181,13 +184,19 @@ def write(p: Preset, results: list[dict[str, Any]], out: Path | None = None) -> 
         "documents per cell (one forward per document; the model is causal, so this equals "
         "evaluating each document's first T tokens): "
         + ", ".join(f"{t}: {t * p.documents:,} tokens" for t in lengths)
-        + " per seed. Rows with a sliding window see only their last L keys.",
+        + " per seed. Rows with a sliding window see only their last L keys"
+        + (
+            f" and the document's first {p.sink_tokens} tokens (attention sinks: a pretrained "
+            "model's queries lean on them; fine-tuning windows always held them)."
+            if p.sink_tokens
+            else "."
+        ),
         "",
-        *loss_table(g, lengths, L, "loss"),
+        *loss_table(g, lengths, p, "loss"),
         "",
         "Loss of the positions in (T/2, T] only (what the tokens at each length add):",
         "",
-        *loss_table(g, lengths, L, "loss_band"),
+        *loss_table(g, lengths, p, "loss_band"),
     ]
     if longs:
         lines += [
@@ -197,7 +206,7 @@ def write(p: Preset, results: list[dict[str, Any]], out: Path | None = None) -> 
             f"{p.long_documents} document(s) per seed, {max(longs) * p.long_documents:,} tokens "
             "scored per cell at the longest length.",
             "",
-            *loss_table(g, longs, L, "loss"),
+            *loss_table(g, longs, p, "loss"),
         ]
     lines += [
         "",
@@ -207,7 +216,7 @@ def write(p: Preset, results: list[dict[str, Any]], out: Path | None = None) -> 
         "keys beyond L help):",
         "",
         *diff_table(
-            g, [(lab, _w(lab, L)) for lab in _order(list(g), L) if _w(lab, L) in g], lengths, L
+            g, [(lab, _w(lab, p)) for lab in _order(list(g), p) if _w(lab, p) in g], lengths, L
         ),  # fmt: skip
         "",
         *copy_table(g, p),
@@ -288,7 +297,7 @@ def copy_table(g: dict[str, list[dict]], p: Preset) -> list[str]:
         "| arm | " + " | ".join(f"d = {d // L}x L" for d in ds) + " | first copy |",
         "|---" * (len(ds) + 2) + "|",
     ]
-    for lab in _order(list(g), L):
+    for lab in _order(list(g), p):
         rows = [r for r in g[lab] if r.get("copy")]
         if not rows:
             continue
@@ -341,7 +350,7 @@ def plot(g: dict[str, list[dict]], p: Preset, out: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for lab in _order(list(g), p.seq_len):
+    for lab in _order(list(g), p):
         rows = [r for r in g[lab] if r.get("loss_by_position") and not r.get("long")]
         if not rows:
             continue

@@ -69,7 +69,8 @@ def unit_rules(p: Preset, arm: str) -> list[tuple[dict[str, Any], bool]]:
     at the preset's lengths, its eval-only rules (YaRN on softmax); for ``long_arms`` full
     context and the eval-only rules at the long lengths too (minutes per document)."""
     evals = [{"window": None, "rope": r.rope.kind} for r in ARMS[arm].evals if r.rope is not None]
-    base = [{"window": None}] + ([] if arm == ORIGINAL else [{"window": p.seq_len}])
+    own = {"window": p.seq_len, "sink_tokens": p.sink_tokens}
+    base = [{"window": None}] + ([] if arm == ORIGINAL else [own])
     out = [(r, False) for r in base + evals]
     if arm in p.long_arms and p.long_multiples:
         out += [(r, True) for r in [{"window": None}] + evals]
@@ -100,6 +101,7 @@ def evaluate(
         p.dtype,
         cache,
         progress,
+        sink_tokens=rule.get("sink_tokens", 0),
     )
 
 
@@ -151,6 +153,7 @@ def _result(
         "evaluated_attention": trained,
         "rope_scaling": f"{rule['rope']} auto" if rule.get("rope") else None,
         "window": rule["window"],
+        "sink_tokens": rule.get("sink_tokens", 0),
         "long": long,
         "config": {"seed": seed},
         "train_len": p.seq_len,

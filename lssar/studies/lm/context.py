@@ -61,6 +61,12 @@ def _buckets(t: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
+def _spans(window: int | None, sink_tokens: int) -> dict[str, Any]:
+    """The model's visibility keywords: ``sink_tokens`` only when set (a model interface without
+    sinks still takes the rest)."""
+    return {"window": window} | ({"sink_tokens": sink_tokens} if sink_tokens else {})
+
+
 @torch.inference_mode()
 def loss_in_documents(
     model: Any,
@@ -68,6 +74,7 @@ def loss_in_documents(
     lengths: list[int],
     window: int | None = None,
     progress: bool = True,
+    sink_tokens: int = 0,
 ) -> dict[str, Any]:
     """Loss by length and position from one forward per document (see the module docstring).
 
@@ -81,7 +88,9 @@ def loss_in_documents(
         if len(doc) < t_max + 1:
             raise ValueError(f"a document has {len(doc)} tokens, {t_max + 1} are needed")
         ids = torch.as_tensor(np.asarray(doc[: t_max + 1], dtype=np.int64))
-        _, loss = model(ids[None, :-1], ids[None, 1:], reduction="none", window=window)
+        _, loss = model(
+            ids[None, :-1], ids[None, 1:], reduction="none", **_spans(window, sink_tokens)
+        )
         per_pos.append(loss[0].double().cpu().numpy())  # (T_max,)
     pos = np.stack(per_pos)  # (n, T_max)
     out: dict[str, Any] = {
@@ -115,13 +124,15 @@ def copy_probe(
     window: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    sink_tokens: int = 0,
 ) -> dict[str, Any]:
     """Loss on a repeated segment ``d`` tokens after its first occurrence (module docstring).
 
     ``n`` probes per distance, drawn from ``tokens`` (held-out text) by ``seed`` (the same probes
     for every model). Returns ``{"segment", "probes", "first" {d: loss on the first copy},
     "second" {d: loss on the second copy}, "second_by_probe" {d: [...]}}``; the first token of
-    each copy is not scored (nothing announces it)."""
+    each copy is not scored (nothing announces it). With ``window`` and ``sink_tokens`` the second
+    copy also sees the first ``sink_tokens`` tokens of the first (the row's start)."""
     tokens = np.asarray(tokens)
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {"segment": segment, "probes": n, "first": {}, "second": {}}
@@ -138,7 +149,8 @@ def copy_probe(
             seg = tokens[a : a + segment]
             rows.append(np.concatenate([seg, tokens[b : b + d - segment], seg]))
         ids = torch.as_tensor(np.stack(rows).astype(np.int64))  # (n, d + segment)
-        _, loss = model(ids[:, :-1], ids[:, 1:], reduction="none", window=window)  # (n, T-1)
+        _, loss = model(ids[:, :-1], ids[:, 1:], reduction="none", **_spans(window, sink_tokens))
+        # loss: (n, T-1)
         # target index j predicts token j + 1: copy 1 is tokens 1..seg-1, copy 2 is d+1..d+seg-1
         first = loss[:, : segment - 1].double().mean(1)
         second = loss[:, d : d + segment - 1].double().mean(1)

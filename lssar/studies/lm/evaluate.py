@@ -10,6 +10,16 @@ trained impl is kept where it runs the new rule), and a RoPE model with its rota
 :mod:`lssar.positions`; ``auto`` = the evaluated length over the training length, at each
 length). Both go through :meth:`lssar.model.GPT.switch`. Writes ``eval/<tag>/`` in the run
 directory: ``results.json``, ``results.md`` and PNG plots.
+
+Whether the keys beyond the training length L are used is measured beside every result (unless
+``--no-context``), with the model-agnostic probes of :mod:`lssar.studies.lm.context`:
+
+- ``own_window``: the same model on the same windows with every query limited to its own last L
+  keys, at every length past L (``loss``, ``loss_by_position``, and its copy probe): paired by
+  window with the full-context score, so full - own window < 0 says the far keys lower the loss;
+- ``copy``: the copy probe at distances 2L .. 16L (a segment, other held-out text, the segment
+  again: the loss on the second copy against the first), with the result's own attention span;
+  ``own_window.copy`` is the same probes with the L-key window, which cannot see the first copy.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest
 from lssar.studies.labels import label_of
+from lssar.studies.lm.context import COPY_SEGMENT, copy_probe
 from lssar.studies.lm.figures import plot_results
 from lssar.studies.lm.passkey import (
     PASSKEY_DEPTHS,
@@ -45,9 +56,11 @@ from lssar.studies.lm.passkey import (
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 TOKENS_PER_BATCH = 8192  # rows per forward = this // length (memory stays flat across lengths)
 N_POSITION_BUCKETS = 32
+COPY_PROBES = 16  # copy-probe sequences per distance (the same ones for every arm and seed)
 # what an evaluation's numbers depend on besides the run: a change here recomputes cached results
 _EVAL_SOURCES = (
     "studies/lm/evaluate.py",
+    "studies/lm/context.py",
     "studies/lm/passkey.py",
     "model.py",
     "positions.py",
@@ -236,6 +249,63 @@ def numerical_health(
     return result
 
 
+def _rows_at_a_time(model: GPT, tokens: int = TOKENS_PER_BATCH):
+    """``model``'s evaluation call, run on at most ``tokens`` tokens at a time (whole rows), so a
+    batch of long copy probes stays within the memory of one loss-vs-length batch."""
+
+    def forward(x: torch.Tensor, y: torch.Tensor, reduction: str = "none", window=None):
+        rows = max(1, tokens // x.shape[1])
+        parts = [
+            model(x[i : i + rows], y[i : i + rows], reduction=reduction, window=window)[1]
+            for i in range(0, len(x), rows)
+        ]
+        return None, torch.cat(parts)
+
+    return forward
+
+
+def copy_distances(train_len: int, multiples: list[int]) -> list[int]:
+    """The copy probe's distances: every evaluated length past the training length (2L .. 16L
+    by default)."""
+    return [m * train_len for m in multiples if m > 1]
+
+
+@torch.inference_mode()
+def context_use(
+    model: GPT,
+    val: np.ndarray,
+    train_len: int,
+    multiples: list[int],
+    eval_tokens: int,
+    window: int | None = None,
+    copy_probes: int = COPY_PROBES,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Whether ``model`` uses the keys beyond ``train_len`` (the module docstring):
+    ``{"copy": the copy probe with the result's own span (``window``), "own_window": {"window":
+    L, "loss" and "loss_by_position" at the lengths past L on the windows
+    :func:`loss_vs_length` scores, "copy": the copy probe with the L-key window}}``.
+    ``own_window`` is left out when the result already sees at most L keys (``window <= L``:
+    the window control), ``copy`` when no length is past L."""
+    out: dict[str, Any] = {}
+    distances = copy_distances(train_len, multiples)
+    if not distances:
+        return out
+    probe = dict(n=copy_probes, segment=min(COPY_SEGMENT, train_len), seed=0, progress=progress)
+    lm = _rows_at_a_time(model)
+    out["copy"] = copy_probe(lm, val, distances, window=window, **probe)
+    if window is None or window > train_len:
+        past = [m for m in multiples if m > 1]
+        own = loss_vs_length(model, val, train_len, past, eval_tokens, progress, train_len)
+        out["own_window"] = {
+            "window": train_len,
+            "loss": own["loss"],
+            "loss_by_position": own["loss_by_position"],
+            "copy": copy_probe(lm, val, distances, window=train_len, **probe),
+        }
+    return out
+
+
 # ------------------------------------------------------------------------------ run-level
 
 
@@ -276,13 +346,17 @@ def evaluate_run(
     folder: str = "",
     rope_scaling: str | None = None,
     rope_factor: Any = None,
+    context: bool = True,
+    copy_probes: int = COPY_PROBES,
 ) -> dict[str, Any]:
     """Evaluate a run; writes ``RUN/eval/[<folder>/]<tag>/results.json`` (+ .md, plots) and
     returns it (``folder`` keeps the evaluations of different studies of one run apart).
 
     ``attn`` / ``attn_p`` switch the trained attention by :meth:`AttentionSpec.override`;
     ``window`` limits every query to its last ``window`` keys (the sliding-window control);
-    ``rope_scaling`` / ``rope_factor`` rescale a RoPE model's rotation (:meth:`GPT.switch`). The
+    ``rope_scaling`` / ``rope_factor`` rescale a RoPE model's rotation (:meth:`GPT.switch`);
+    ``context`` adds the own-window control and the copy probe (:func:`context_use`, with
+    ``copy_probes`` sequences per distance). The
     default ``tag`` is the evaluated rule's slug (``lssar_p15``, ``softmax_window128``,
     ``softmax_yarn_auto``).
     Re-running with the same arguments reuses the saved result only while :func:`cache_key`
@@ -296,6 +370,8 @@ def evaluate_run(
     multiples = parse_multiples(multiples or list(DEFAULT_MULTIPLES))
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of keys, got {window}")
+    if context and copy_probes < 1:
+        raise ValueError(f"--copy-probes must be at least 1, got {copy_probes}")
     model, cfg, meta = load_run(run_dir)
     trained = with_pos(cfg.attention.label, cfg.pos)
     try:
@@ -323,6 +399,8 @@ def evaluate_run(
         "passkey": None if passkey is None else dataclasses.asdict(passkey),
         "window": window,
         "rope_scaling": None if rope is None else rope.label,
+        "context": context,
+        "copy_probes": copy_probes if context else None,
     }
     key = cache_key(cfg, meta, settings)
     cached = out_dir / "results.json"
@@ -353,6 +431,12 @@ def evaluate_run(
         "eval_env": environment(),
     }
     result.update(loss_vs_length(model, val, train_len, multiples, eval_tokens, progress, window))
+    if context:
+        result.update(
+            context_use(
+                model, val, train_len, multiples, eval_tokens, window, copy_probes, progress
+            )
+        )
     if diagnostics:
         result["diagnostics"] = attention_diagnostics(
             model, val, lengths, diagnostic_windows, window, train_len
@@ -385,6 +469,45 @@ def evaluate_run(
     return result
 
 
+def _context_markdown(r: dict[str, Any]) -> list[str]:
+    """The own-window control and the copy probe of one result (none before those columns)."""
+    lines: list[str] = []
+    own = r.get("own_window")
+    if own:
+        w = own["window"]
+        lines += [
+            "",
+            f"Own-window control: the same model and windows, every query limited to its last {w} "
+            "keys (the training length); negative full - own window: the keys beyond it help.",
+            "",
+            "| length | x train | full context | own window | full - own window |",
+            "|---|---|---|---|---|",
+        ]
+        for t, v in own["loss"].items():
+            full = r["loss"][t]
+            lines.append(
+                f"| {t} | {int(t) // r['train_len']} | {full:.4f} | {v:.4f} | {full - v:+.4f} |"
+            )
+    if r.get("copy"):
+        c, oc = r["copy"], (own or {}).get("copy")
+        lines += [
+            "",
+            f"Copy probe: {c['probes']} segments of {c['segment']} tokens, each repeated after "
+            "other held-out text; loss on the second copy (the first copy's loss beside it). "
+            "A model that reads back d tokens scores the second copy far below the first.",
+            "",
+            "| distance | x train | first copy | second copy"
+            + (" | second copy, own window | full - own window |" if oc else " |"),
+            "|---|---|---|---" + ("|---|---|" if oc else "|"),
+        ]
+        for d, second in c["second"].items():
+            row = f"| {d} | {int(d) // r['train_len']} | {c['first'][d]:.4f} | {second:.4f} |"
+            if oc:
+                row += f" {oc['second'][d]:.4f} | {second - oc['second'][d]:+.4f} |"
+            lines.append(row)
+    return lines
+
+
 def results_markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# Evaluation of {r['run']}",
@@ -399,6 +522,7 @@ def results_markdown(r: dict[str, Any]) -> str:
     for t, loss in r["loss"].items():
         n = r["windows_per_length"][t]
         lines.append(f"| {t} | {int(t) // r['train_len']} | {n} | {loss:.4f} |")
+    lines += _context_markdown(r)
     if "diagnostics" in r:
         lines += [
             "",
@@ -515,6 +639,14 @@ def parser() -> argparse.ArgumentParser:
         help="skip the attention diagnostics (entropy, first-token mass) and numerical health",
     )
     ap.add_argument(
+        "--no-context",
+        action="store_true",
+        help="skip the own-window control and the copy probe (whether keys beyond L are used)",
+    )
+    ap.add_argument(
+        "--copy-probes", type=int, default=COPY_PROBES, help="copy-probe sequences per distance"
+    )
+    ap.add_argument(
         "--tag",
         help="name of the output folder under RUN/eval/; none: from the rule and the window",
     )
@@ -554,6 +686,8 @@ def cli(argv: list[str]) -> int:
         tag=args.tag,
         rope_scaling=args.rope_scaling,
         rope_factor=args.rope_factor,
+        context=not args.no_context,
+        copy_probes=args.copy_probes,
     )
     print(results_markdown(r))
     print(f"saved to {Path(r['run']) / 'eval' / r['tag']}")

@@ -30,8 +30,9 @@ from lssar.train.checkpoint import file_sha256
 _SOURCES = ("studies/lm/context.py", "studies/lm/evaluate_hf.py", "integrations", "ops")
 
 
-def tag_of(window: int | None, rope: str | None, lengths: list[int]) -> str:
-    parts = ["full" if window is None else f"window{window}"] + ([rope] if rope else [])
+def tag_of(window: int | None, rope: str | None, lengths: list[int], sinks: int = 0) -> str:
+    w = "full" if window is None else f"window{window}" + (f"+{sinks}sinks" if sinks else "")
+    parts = [w] + ([rope] if rope else [])
     return "_".join(parts + [f"to{max(lengths)}"])
 
 
@@ -47,24 +48,31 @@ def evaluate_model(
     dtype: str = "auto",
     cache: str | Path | None = None,
     progress: bool = True,
+    sink_tokens: int = 0,
 ) -> dict[str, Any]:
     """Evaluate the model directory ``model_dir`` (the attention its ``lssar.json`` records, or
     its own) on ``documents`` held-out documents of ``dataset`` at ``lengths`` (tokens), with the
     copy probe at ``copy_distances``; cached as ``cache/<tag>.json`` (default
-    ``model_dir/eval``) while the weights, data, settings and code are unchanged."""
+    ``model_dir/eval``) while the weights, data, settings and code are unchanged. With
+    ``window``, ``sink_tokens`` first keys of each document stay visible too (attention sinks:
+    a pretrained model's queries lean on the sequence's first tokens)."""
     model_dir, dataset = Path(model_dir), Path(dataset)
     if window is not None and window < 1:
         raise ValueError(f"--window must be a positive number of keys, got {window}")
+    if sink_tokens and window is None:
+        raise ValueError("--sink-tokens keeps the first keys beside a window: give --window too")
+    if sink_tokens < 0:
+        raise ValueError(f"--sink-tokens must be >= 0, got {sink_tokens}")
     settings = {"lengths": sorted(lengths), "documents": documents, "window": window,
                 "rope": rope, "copy": list(copy_distances), "copy_probes": copy_probes,
-                "dtype": dtype}  # fmt: skip
+                "dtype": dtype, "sink_tokens": sink_tokens}  # fmt: skip
     key = json.loads(json.dumps({
         "weights": file_sha256(model_dir / "model.safetensors"),
         "data": manifest_files(data.read_manifest(dataset)),
         "settings": settings,
         "code": code_digest(_SOURCES),
     }))  # fmt: skip
-    path = Path(cache or model_dir / "eval") / f"{tag_of(window, rope, lengths)}.json"
+    path = Path(cache or model_dir / "eval") / f"{tag_of(window, rope, lengths, sink_tokens)}.json"
     if path.is_file():
         try:
             prev = json.loads(path.read_text())
@@ -80,11 +88,10 @@ def evaluate_model(
         if rope:
             lm.switch(rope_scaling=rope)
         result["evaluated_attention"] = lm.attn_spec.label
-        result |= loss_in_documents(lm, docs, sorted(lengths), window=window, progress=progress)
+        sinks = {"window": window, "sink_tokens": sink_tokens, "progress": progress}
+        result |= loss_in_documents(lm, docs, sorted(lengths), **sinks)
         if copy_distances:
-            result["copy"] = copy_probe(
-                lm, val, list(copy_distances), copy_probes, window=window, progress=progress
-            )
+            result["copy"] = copy_probe(lm, val, list(copy_distances), copy_probes, **sinks)
     result["eval_env"] = environment("cpu")
     atomic_write(path, json.dumps(result, indent=1))
     return result
@@ -102,6 +109,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# {r['model']}: {r['evaluated_attention']}"
         + ("" if r["window"] is None else f", window {r['window']}")
+        + (f" + {r['sink_tokens']} sinks" if r.get("sink_tokens") else "")
         + ("" if not r["rope"] else f", {r['rope']} scaling"),
         "",
         f"{r['documents']} held-out documents; loss over the first T tokens of each.",
@@ -131,6 +139,12 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--lengths", default="256,1024,4096", help="tokens, e.g. 256,1024,4096")
     ap.add_argument("--documents", type=int, default=8, help="held-out documents scored")
     ap.add_argument("--window", type=int, help="every query sees only its last WINDOW keys")
+    ap.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=0,
+        help="with --window: the document's first N tokens stay visible too (attention sinks)",
+    )
     ap.add_argument("--rope-scaling", help="linear, dynamic-ntk or yarn (auto factor)")
     ap.add_argument("--copy", default="", help="copy-probe distances in tokens, e.g. 512,2048")
     ap.add_argument("--copy-probes", type=int, default=8)
@@ -152,6 +166,6 @@ def cli(argv: list[str]) -> int:
             f"hf:{a.model}`)"
         )
     r = evaluate_model(a.model, dataset, lengths, a.documents, a.window, a.rope_scaling, copy,
-                       a.copy_probes, a.dtype)  # fmt: skip
+                       a.copy_probes, a.dtype, sink_tokens=a.sink_tokens)  # fmt: skip
     print(markdown(r))
     return 0

@@ -99,9 +99,68 @@ def losses_of(groups, multiples) -> dict[str, dict[int, Seeds]]:
     }
 
 
-def declared_claims(losses, multiples) -> list[Claim]:
+OWN = ", own window"  # an arm's own-window scores, in the context tables (label + OWN)
+
+
+def own_window_of(groups, multiples) -> dict[str, dict[int, Seeds]]:
+    """label -> multiple past 1x -> seed -> the loss with the arm's own L-key window (the
+    ``own_window`` column of :func:`lssar.studies.lm.evaluate.context_use`), for the arms whose
+    every result has it: none in a report made before the column, and not the window control,
+    which is its own window."""
+    return {
+        label: {
+            m: {r["config"]["seed"]: r["own_window"]["loss"][str(m * r["train_len"])] for r in rs}
+            for m in multiples
+            if m > 1
+        }
+        for label, rs in groups.items()
+        if all(r.get("own_window") for r in rs)
+    }
+
+
+QUARTERS = (1, 2, 3, 4)
+
+
+def by_quarter_of(groups, own: bool = False) -> dict[str, dict[int, Seeds]]:
+    """label -> quarter (1..4) -> seed -> the mean loss over that quarter of the positions in the
+    longest window (its ``loss_by_position`` buckets), with full context or with the arm's own
+    L-key window (``own``); the arms whose every result has the own-window control."""
+    out = {}
+    for label, rs in groups.items():
+        if not all(r.get("own_window") for r in rs):
+            continue
+        out[label] = {}
+        for q in QUARTERS:
+            out[label][q] = {}
+            for r in rs:
+                pp = (r["own_window"] if own else r)["loss_by_position"]
+                n = len(pp)
+                part = pp[(q - 1) * n // 4 : q * n // 4]
+                out[label][q][r["config"]["seed"]] = sum(part) / len(part)
+    return out
+
+
+def copy_of(groups, own: bool = False, which: str = "second") -> dict[str, dict[int, Seeds]]:
+    """label -> distance / L -> seed -> the copy probe's loss on the ``which`` copy (``"first"``
+    or ``"second"``), with the result's own attention span, or with its own L-key window
+    (``own``); the arms whose every result has it."""
+    out = {}
+    for label, rs in groups.items():
+        cs = [(r.get("own_window") or {}).get("copy") if own else r.get("copy") for r in rs]
+        if not all(cs):
+            continue
+        out[label] = {
+            int(d) // rs[0]["train_len"]: {r["config"]["seed"]: c[which][d] for r, c in zip(rs, cs)}
+            for d in cs[0][which]
+        }
+    return out
+
+
+def declared_claims(losses, multiples, groups=None) -> list[Claim]:
     """The paper's claims present in ``losses`` (the declared family Holm corrects over), each
-    on its per-seed values: a ratio, or a difference paired by seed."""
+    on its per-seed values: a ratio, or a difference paired by seed; with ``groups`` (the
+    results by arm) also whether LSSAR uses the keys beyond L, where the results have the
+    own-window control and the copy probe."""
     top = max(multiples)
     soft, lssa = losses.get(SOFTMAX.label), losses.get(LSSA.label)
     lssar, qk = losses.get(LSSAR15.label), losses.get(QKNORM.label)
@@ -152,21 +211,56 @@ def declared_claims(losses, multiples) -> list[Claim]:
             "lssar p=15 - sliding-window softmax"
         )
         out.append(Claim(text, _pairs(lssar[top], window[top]), **below))
+    own = own_window_of(groups or {}, multiples).get(LSSAR15.label)
+    if lssar and own and top > 1:
+        text = (
+            f"LSSAR uses context beyond L (full context beats its own L-key window at {top}x): "
+            "lssar p=15 full - own window"
+        )
+        out.append(Claim(text, _pairs(lssar[top], own[top]), **below))
+    copied = copy_of(groups or {}).get(LSSAR15.label)
+    alone = copy_of(groups or {}, own=True).get(LSSAR15.label)
+    if copied and alone:
+        far = max(alone)
+        text = (
+            f"LSSAR copies from beyond L (copy probe, {far}x L back: loss on the second copy, "
+            "full context - own window)"
+        )
+        out.append(Claim(text, _pairs(copied[far], alone[far]), **below))
     return out
 
 
-def claim_lines(losses, multiples) -> list[str]:
+# the ratio claims, by the start of their text, and the arm whose 16x / 1x they are
+_RATIO_ARMS = {"LSSAR (p=15) loss stays": LSSAR15.label, "Softmax+RoPE degrades": SOFTMAX.label}
+
+
+def excess(v: dict[int, Seeds], top: int) -> Interval:
+    """The loss at ``top``x minus the loss at 1x (nats per token), paired by seed: what a ratio
+    is of, in absolute terms."""
+    return paired_diff(v[top], v[1])
+
+
+def claim_lines(losses, multiples, groups=None) -> list[str]:
     """The paper's claims, each judged from its 95% interval over seeds (differences paired by
     seed), then corrected for multiplicity over the declared list (Holm); the window control's
-    consequence said only as far as an equivalence test allows."""
-    claims = declared_claims(losses, multiples)
+    consequence said only as far as an equivalence test allows. A ratio's line gives the
+    absolute excess loss beside it."""
+    claims = declared_claims(losses, multiples, groups)
     judged = judge_claims(claims)
+    top = max(multiples)
     out = []
     final_of: dict[str, str] = {}
     for c, (_raw, final, note) in zip(claims, judged):
         iv = mean_ci(c.values)
+        arm = next((a for p, a in _RATIO_ARMS.items() if c.text.startswith(p)), None)
+        extra = (
+            ""
+            if arm is None
+            else f" ({top}x - 1x = {fmt(excess(losses[arm], top), 3, True)} nats per token)"
+        )
         out.append(
-            f"- **{c.text}**: measured {fmt(iv, c.digits)} -> **{final}** ({c.criterion}; {note})."
+            f"- **{c.text}**: measured {fmt(iv, c.digits)}{extra} -> **{final}** "
+            f"({c.criterion}; {note})."
         )
         final_of[c.text] = final
     window_claim = next((c for c in claims if "sliding-window" in c.text), None)
@@ -252,9 +346,12 @@ def _lookup(losses: dict[str, Any], key: str) -> str | None:
     return find_label(losses, f"{key} n=")
 
 
-def diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="question") -> list[str]:
+def diff_table(
+    losses, multiples, rows: list[tuple[str, str, str]], head="question", column="{}x"
+) -> list[str]:
+    """Paired a - b for each row at each of ``multiples`` (the columns, named by ``column``)."""
     out = [
-        f"| {head} | a - b | " + " | ".join(f"{m}x" for m in multiples) + " |",
+        f"| {head} | a - b | " + " | ".join(column.format(m) for m in multiples) + " |",
         "|---" * (len(multiples) + 2) + "|",
     ]
     for question, a, b in rows:
@@ -273,6 +370,78 @@ def diff_table(losses, multiples, rows: list[tuple[str, str, str]], head="questi
         "else *within noise*. Exploratory: not corrected for the many cells, and *within noise* "
         "is not a tie (only the declared claims' equivalence tests say *matches*).",
     ]
+
+
+def context_lines(groups, losses, multiples) -> list[str]:
+    """Whether each arm uses the keys beyond the training length L: its full-context loss minus
+    its own L-key window's at every length past L, and the copy probe (the loss on a repeated
+    segment's second copy, full context and own window), paired by seed; empty for results
+    made before these columns."""
+    own = own_window_of(groups, multiples)
+    copied, alone = copy_of(groups), copy_of(groups, own=True)
+    first = copy_of(groups, which="first")
+    if not own and not copied:
+        return []
+    r0 = next(iter(groups.values()))[0]
+    L, past = r0["train_len"], [m for m in multiples if m > 1]
+    lines = [
+        "## Does each arm use the context beyond L?",
+        "",
+        f"Flat loss can come from ignoring the far keys. Each arm is also evaluated on the same "
+        f"windows with every query limited to its own last L = {L} keys (its own-window control; "
+        "for softmax that is the sliding-window control): full context - own window < 0 means "
+        "the keys beyond L lower the loss, > 0 that the arm would do better without them. The "
+        "declared claims above test LSSAR p=15 at the longest length; the tables are "
+        "exploratory.",
+        "",
+    ]
+    if own:
+        table = {**{a: losses[a] for a in own}, **{f"{a}{OWN}": v for a, v in own.items()}}
+        rows = [(a, a, f"{a}{OWN}") for a in own]
+        lines += [*diff_table(table, past, rows, head="arm"), ""]
+        full_q, own_q = by_quarter_of(groups), by_quarter_of(groups, own=True)
+        top = max(multiples)
+        table = {**full_q, **{f"{a}{OWN}": v for a, v in own_q.items()}}
+        lines += [
+            f"### Where in the longest window ({top}x)",
+            "",
+            f"Full context - own window over each quarter of the positions of the {top}x windows "
+            f"(the same windows). The first L positions (1/{top} of the window) see at most L "
+            "keys either way, so they cannot differ; a difference that grows along the window is "
+            "the far keys' effect growing with their number. Exploratory.",
+            "",
+            *diff_table(table, QUARTERS, rows, head="arm", column="Q{}"),
+            "",
+        ]
+    if copied:
+        c0 = r0.get("copy") or {}
+        lines += [
+            "### The copy probe",
+            "",
+            f"{c0.get('probes', '?')} segments of {c0.get('segment', '?')} held-out tokens per "
+            "distance, each followed by other held-out text and then repeated, so the second "
+            "copy starts d tokens after the first (the same probes for every arm and seed). A "
+            "model that reads back d tokens scores the second copy below the first; with its "
+            "own L-key window it cannot see the first copy. Loss on the second copy, full "
+            "context [the first copy's in brackets], mean ± 95% interval over seeds:",
+            "",
+            "| arm | " + " | ".join(f"d = {m}L" for m in past) + " |",
+            "|---" * (len(past) + 1) + "|",
+        ]
+        for a, v in copied.items():
+            cells = [f"{fmt(iv_of(v[m]))} [{iv_of(first[a][m]).mean:.3f}]" for m in past]
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+        if alone:
+            table = {**copied, **{f"{a}{OWN}": v for a, v in alone.items()}}
+            rows = [(a, a, f"{a}{OWN}") for a in alone]
+            lines += [
+                "",
+                "Second copy, full context - own window (negative: the arm copies from d back):",
+                "",
+                *diff_table(table, past, rows, head="arm"),
+            ]
+        lines.append("")
+    return lines
 
 
 def every_arm(losses, multiples, against: str) -> list[str]:
@@ -297,10 +466,22 @@ ALTERNATIVE_NAMES = dict(
 )
 
 
+def _identical(losses, labels: list[str]) -> dict[str, str]:
+    """label -> the earlier label of ``labels`` whose losses it equals at every length and seed
+    (one arm under two names: NTK and dynamic NTK at factor auto)."""
+    out: dict[str, str] = {}
+    for i, b in enumerate(labels):
+        a = next((a for a in labels[:i] if a not in out and losses[a] == losses[b]), None)
+        if a is not None:
+            out[b] = a
+    return out
+
+
 def alternatives(losses, multiples) -> list[str]:
     """LSSAR p=15 against every alternative present (paired differences and verdicts at every
-    length), and which method has the lowest loss at the longest length, said only as far as
-    the paired intervals allow."""
+    length), and which method has the lowest loss at the longest length among LSSAR, softmax,
+    the sliding-window control and the alternatives (an arm identical to another counted once),
+    said only as far as the paired intervals allow."""
     present = [a for a in ALTERNATIVES if a in losses]
     if not present or LSSAR15.label not in losses:
         return []
@@ -318,10 +499,22 @@ def alternatives(losses, multiples) -> list[str]:
         *diff_table(losses, multiples, rows, head="alternative"),
         "",
     ]
-    candidates = [m for m in (LSSAR15.label, SOFTMAX.label, *present) if m in losses]
+    window = find_label(losses, WINDOW)
+    candidates = [m for m in (LSSAR15.label, SOFTMAX.label, window, *present) if m in losses]
+    same = _identical(losses, candidates)
+    if same:
+        lines += [
+            "Identical at every length and seed, so one arm, counted once below: "
+            + "; ".join(f"{b} = {a}" for b, a in same.items())
+            + ".",
+            "",
+        ]
+        candidates = [m for m in candidates if m not in same]
     ranked = sorted(candidates, key=lambda m: iv_of(losses[m][top]).mean)
     best, best_iv = ranked[0], iv_of(losses[ranked[0]][top])
     head = f"Lowest mean loss at {top}x among {', '.join(candidates)}: **{best}**, {fmt(best_iv)}"
+    if best == window:
+        head += " (the sliding-window control, which sees only the last L keys)"
     if best_iv.lo is None:
         return lines + [
             f"{head}. With one seed there is no interval, so no method is best beyond noise.",
