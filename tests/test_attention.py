@@ -603,11 +603,13 @@ def test_registry_entries_match_their_functions():
         extra = {
             n: p.default
             for n, p in params.items()
-            if p.kind is p.KEYWORD_ONLY and n not in ("variant", "options", "alibi_slopes", "spans")
+            if p.kind is p.KEYWORD_ONLY
+            and n not in ("variant", "options", "alibi_slopes", "spans", "key_norms")
         }
         assert extra == dict(entry.options), name
         assert ("alibi_slopes" in params) == entry.alibi, name
         assert ("spans" in params) == entry.spans, name
+        assert ("key_norms" in params) == entry.key_norms, name
     for name, entry in registry.BACKENDS.items():
         if entry.float64 is not None:
             target = registry.BACKENDS[entry.float64]
@@ -617,7 +619,7 @@ def test_registry_entries_match_their_functions():
     listing = {i["name"]: i for i in registry.implementations()}
     assert list(listing) == list(registry.BACKENDS)
     assert [n for n, i in listing.items() if i["available"]] == list(registry.IMPLS)
-    assert listing["triton"]["options"] == {"precise": True}
+    assert listing["triton"]["options"] == {"precise": True, "deterministic": False}
 
 
 def test_no_backend_imports_the_registry():
