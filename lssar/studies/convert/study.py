@@ -271,7 +271,10 @@ def run_study(
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     p = PRESETS[preset]
     if arms is not None:
-        p = dataclasses.replace(p, arms=tuple(select_arms(ARMS, arms)))
+        chosen = tuple(select_arms(ARMS, arms))
+        p = dataclasses.replace(
+            p, arms=chosen, long_arms=tuple(a for a in p.long_arms if a in chosen)
+        )
     if seeds is not None:
         p = dataclasses.replace(p, seeds=tuple(seeds))
     runs = Path(runs) / f"convert-{p.name}"
