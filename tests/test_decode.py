@@ -188,7 +188,7 @@ def decode_calls(monkeypatch):
 @pytest.fixture
 def eager_calls(monkeypatch):
     """Counts the calls of the eager decode (``chunked``'s step; ``cpu``'s fallback)."""
-    from lssar.ops import chunked
+    from lssar.ops import decode as chunked
 
     calls, real = [], chunked._eager_decode
     monkeypatch.setattr(chunked, "_eager_decode", lambda *a: calls.append(a[1].shape) or real(*a))
@@ -460,7 +460,7 @@ def test_kv_cache_computes_each_key_norm_once(monkeypatch):
     """KVCache.key_norms: 1 / ||k_j|| of every cached key (0 for a zero or non-finite key), each
     computed once, across appends and regrowth of the buffers."""
     import lssar.model as model_mod
-    from lssar.ops.chunked import key_inverse_norms
+    from lssar.ops.decode import key_inverse_norms
 
     computed = []
     real = model_mod.key_inverse_norms
@@ -500,7 +500,7 @@ def test_key_norms_are_checked():
 def test_decode_entry_reads_given_key_norms(monkeypatch, dtype, name, opts):
     """With the cache's key_norms the decode entry normalises no key itself (it is handed the
     norms, GQA and a zero key included) and gives the step it computes without them."""
-    from lssar.ops.chunked import key_inverse_norms
+    from lssar.ops.decode import key_inverse_norms
     from lssar.ops.cpu_kernel import kernel
 
     mod = kernel()

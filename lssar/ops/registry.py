@@ -132,7 +132,7 @@ def _cpu() -> Callable[..., Tensor]:
 def _chunked_decode(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """The ``chunked`` call is a decode step on its eager decode (which lets no masked key or
     value into a result)."""
-    from lssar.ops.chunked import is_decode_step
+    from lssar.ops.decode import is_decode_step
 
     return is_decode_step(query, key, value)
 
@@ -140,7 +140,7 @@ def _chunked_decode(query: Tensor, key: Tensor, value: Tensor) -> bool:
 def _cpu_decode(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """The ``cpu`` call is a decode step on the kernel's decode entry (which reads no masked
     key or value)."""
-    from lssar.ops.chunked import decode_applies
+    from lssar.ops.decode import decode_applies
 
     return decode_applies(query, key, value)
 
