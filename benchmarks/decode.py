@@ -131,7 +131,7 @@ def runs_on(variant: str, impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
     eager fallback)."""
     name = registry.resolve(variant, impl.partition("+")[0], q, k, 0.0, {}).impl
     if name == "cpu" and q.dtype != torch.float64:
-        from lssar.ops.cpu_kernel import kernel
+        from lssar.ops.cpu.build import kernel
 
         if kernel() is None:
             return "chunked (no C++ kernel here)"

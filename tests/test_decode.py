@@ -175,7 +175,7 @@ def test_auto_decode_picks_an_implementation_that_runs_the_variant():
 @pytest.fixture
 def decode_calls(monkeypatch):
     """Counts the calls of the fused kernel's decode entry (skips where it cannot be built)."""
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     mod = kernel()
     if mod is None:
@@ -318,7 +318,7 @@ def test_cpu_decode_entry_falls_back_where_every_weight_underflows(decode_calls,
 def test_cpu_decode_without_the_kernel_hides_the_padding(monkeypatch, eager_calls):
     """Where the kernel cannot be built the entry falls back to the eager decode, which zeroes
     the masked values itself (attention() left them for the kernel to skip)."""
-    from lssar.ops import cpu_kernel
+    from lssar.ops.cpu import build as cpu_kernel
 
     monkeypatch.setitem(cpu_kernel._loaded, "mod", None)
     g = torch.Generator().manual_seed(9)
@@ -500,8 +500,8 @@ def test_key_norms_are_checked():
 def test_decode_entry_reads_given_key_norms(monkeypatch, dtype, name, opts):
     """With the cache's key_norms the decode entry normalises no key itself (it is handed the
     norms, GQA and a zero key included) and gives the step it computes without them."""
+    from lssar.ops.cpu.build import kernel
     from lssar.ops.decode import key_inverse_norms
-    from lssar.ops.cpu_kernel import kernel
 
     mod = kernel()
     given, real = [], mod.decode
@@ -522,7 +522,7 @@ def test_decode_entry_reads_given_key_norms(monkeypatch, dtype, name, opts):
 def test_generate_hands_the_cached_norms_to_the_decode_entry(monkeypatch):
     """The GPT's decode steps pass KVCache's norms: the entry gets them at every step and the
     tokens are those of the same model whose steps normalise the keys themselves."""
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     mod = kernel()
     given, real = [], mod.decode

@@ -12,7 +12,7 @@ The op is registered as ``lssar::softplus_attention`` (``torch.library.custom_op
 implementation and a registered autograd formula), so ``torch.compile`` traces through it.
 
 ``fused=True`` (``impl="cpu"``) runs the same op's float32 CPU calls on the fused C++ kernel
-(``csrc/softplus_attention.cpp``, built by :mod:`lssar.ops.cpu_kernel`): the same blocks and the
+(``cpu/softplus_attention.cpp``, built by :mod:`lssar.ops.cpu.build`): the same blocks and the
 same arithmetic in two passes over each cache-resident row instead of a dozen eager passes over
 the slab. Whatever it does not take (float64, CUDA, rows whose every weight underflows, a machine
 that cannot build it) runs on the eager path below.
@@ -73,7 +73,7 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
     weights needed)."""
     if tensors[0].dtype != torch.float32 or q.device.type != "cpu":
         return None
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     mod = kernel()
     if mod is None:

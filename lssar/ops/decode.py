@@ -122,7 +122,7 @@ def softplus_decode_op(
     (:func:`lssar.ops.registry.attention` leaves them as they are) and takes the keys' inverse
     norms from ``k_inv (B, H_k, T_k)`` where the cache keeps them; where that kernel cannot run
     (not built, or a row whose every softplus underflowed), :func:`_eager_decode`."""
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     B, hq, t_q, _ = q.shape
     mod = kernel()
