@@ -8,5 +8,5 @@ from lssar.ops.cpu import build as _build
 
 if __name__ == "__main__":
     _build.main()
-else:
+elif __name__ == "lssar.ops.cpu_kernel":  # imported by name, not as a worker's __main__
     sys.modules[__name__] = _build
