@@ -173,7 +173,7 @@ def _cases(torch, wanted: list[str]) -> list[tuple[str, Callable]]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import lssar
-    from lssar.ops.registry import IMPLS
+    from lssar.ops import IMPLS
 
     def sdpa(backend):
         def make(q, k, v):
@@ -311,7 +311,7 @@ def decode_cases(torch, wanted: list[str]) -> list[tuple[str, Callable]]:
     import torch.nn.functional as F
 
     import lssar
-    from lssar.ops.registry import IMPLS
+    from lssar.ops import IMPLS
 
     def sdpa(q, k, v):
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
