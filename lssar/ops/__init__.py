@@ -7,11 +7,13 @@ backend). Where each lives:
 - :mod:`lssar.ops.api`: :func:`attention`, SDPA's signature with the paper's variants;
 - :mod:`lssar.ops.registry`: name -> variant, impl -> lazy entry (:data:`IMPLS`, :data:`BACKENDS`,
   :class:`Impl`, :func:`register_impl`), lookup and listings (:func:`get_variant`,
-  :func:`supporting`, :func:`implementations`; the variants' listing is ``lssar.variants()``,
-  since ``lssar.ops.variants`` is the module below), routing (:func:`resolve`) and its check
-  without tensors (:func:`check`);
+  :func:`supporting`, :func:`implementations`, :data:`ALIBI_VARIANTS`; the variants' listing
+  is ``lssar.variants()``, since ``lssar.ops.variants`` is the module below), routing
+  (:func:`resolve`, its answer a :class:`Resolved`) and its check without tensors
+  (:func:`check`);
 - :mod:`lssar.ops.variants`: the math as data (:class:`Variant`, :data:`VARIANTS`);
-- :mod:`lssar.ops.spans`: documents, windows and sinks as per-row key ranges (:class:`KeySpans`);
+- :mod:`lssar.ops.spans`: documents, windows and sinks as per-row key ranges (:class:`KeySpans`,
+  from :func:`key_spans`);
 - :mod:`lssar.ops.reference`: the materialised ground truth (:func:`reference_attention`,
   :func:`attention_weights`);
 - :mod:`lssar.ops.decode`: a decode step over a KV cache (:func:`is_decode_step`,
