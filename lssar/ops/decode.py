@@ -119,7 +119,7 @@ def softplus_decode_op(
     ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys (float32, bf16 or fp16), ``H_q``
     a multiple of ``H_k``; the output in float32. Each key and value is read once, in place, by
     the fused kernel's decode entry, which reads no masked key or value
-    (:func:`lssar.ops.registry.attention` leaves them as they are) and takes the keys' inverse
+    (:func:`lssar.ops.api.attention` leaves them as they are) and takes the keys' inverse
     norms from ``k_inv (B, H_k, T_k)`` where the cache keeps them; where that kernel cannot run
     (not built, or a row whose every softplus underflowed), :func:`_eager_decode`."""
     from lssar.ops.cpu.build import kernel
