@@ -23,7 +23,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	# The fused CPU attention kernel: compiled once (about a minute) into the torch extensions
 	# cache; a machine without a compiler gets a warning here and the eager path later.
-	$(BIN)/python -m lssar.ops.cpu_kernel
+	$(BIN)/python -m lssar.ops.cpu.build
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -62,7 +62,7 @@ $(SERVE_STAMP): pyproject.toml
 	# lssar itself: its vLLM plugin entry point; the dependencies are vLLM's (--no-deps)
 	$(SERVE_BIN)/pip install -q --no-deps -e .
 	$(SERVE_BIN)/pip install -q pytest
-	$(SERVE_BIN)/python -m lssar.ops.cpu_kernel
+	$(SERVE_BIN)/python -m lssar.ops.cpu.build
 	touch $(SERVE_STAMP)
 
 serve-env: $(SERVE_STAMP)

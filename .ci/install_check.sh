@@ -56,9 +56,9 @@ step 'impl="cpu" (the fused kernel, built now) against the reference'
 import torch
 
 import lssar
-from lssar.ops import cpu_kernel
+from lssar.ops.cpu import build
 
-assert cpu_kernel.kernel() is not None, "the fused CPU kernel did not build from the wheel"
+assert build.kernel() is not None, "the fused CPU kernel did not build from the wheel"
 torch.manual_seed(0)
 q, k, v = (torch.randn(2, 4, 67, 32, requires_grad=True) for _ in range(3))
 for variant in ("softplus-l1", "lssa", "lssar"):

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import lssar
-from lssar.ops.cpu_kernel import build_isa
+from lssar.ops.cpu.build import build_isa
 from lssar.positions import alibi_slopes
 from lssar.runio import cpu_info
 

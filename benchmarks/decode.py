@@ -131,11 +131,11 @@ def runs_on(variant: str, impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
     eager fallback)."""
     name = registry.resolve(variant, impl.partition("+")[0], q, k, 0.0, {}).impl
     if name == "cpu" and q.dtype != torch.float64:
-        from lssar.ops.cpu_kernel import kernel
+        from lssar.ops.cpu.build import kernel
 
         if kernel() is None:
             return "chunked (no C++ kernel here)"
-        from lssar.ops.chunked import decode_applies
+        from lssar.ops import decode_applies
 
         with torch.no_grad():
             if decode_applies(q, k, k):
@@ -149,7 +149,7 @@ def step_fn(variant: str, impl: str, q, k, v, mask) -> Callable[[], torch.Tensor
     impl, _, extra = impl.partition("+")
     kw = {}
     if extra == "norms":
-        from lssar.ops.chunked import key_inverse_norms
+        from lssar.ops import key_inverse_norms
 
         kw["key_norms"] = key_inverse_norms(k)
 

@@ -20,7 +20,7 @@ second (GB/s) and its speed relative to SDPA softmax. The lssa / lssar rows call
 FLOP convention (softmax-equivalent, as FlashAttention reports): forward = 4 B H T^2 D, halved
 for causal; backward = 2.5x forward, so forward+backward = 3.5x forward. "x flash" is SDPA
 flash's time over the row's (same run; FlashAttention-2 in torch 2.13); "x FA2-style" the same
-against the cost model's own Triton reference (``lssar.ops.triton.cost``), the unit the
+against the cost model's own Triton reference (``lssar.ops.triton.devtools.cost``), the unit the
 projection uses (docs/gpu-kernels.md): the measured and the projected numbers are then directly
 comparable. The autotuner's pick per kernel is saved (``results.json``: ``autotune``).
 
@@ -121,10 +121,11 @@ DECODE = [
 
 
 def _fa2_reference(torch, triton):
-    """The cost model's FA2-style softmax (``lssar.ops.triton.cost``): forward and backward
-    kernels, autotuned over their candidate tiles; ``make(q, k, v)`` as the other cases'. A
-    timing reference: the loops the static model counts (its gradients are not checked)."""
-    from lssar.ops.triton import cost as C
+    """The cost model's FA2-style softmax (``lssar.ops.triton.devtools.cost``): forward and
+    backward kernels, autotuned over their candidate tiles; ``make(q, k, v)`` as the other
+    cases'. A timing reference: the loops the static model counts (its gradients are not
+    checked)."""
+    from lssar.ops.triton.devtools import cost as C
 
     def tuned(kind, key):
         cfgs = [
@@ -172,7 +173,7 @@ def _cases(torch, wanted: list[str]) -> list[tuple[str, Callable]]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import lssar
-    from lssar.ops.registry import IMPLS
+    from lssar.ops import IMPLS
 
     def sdpa(backend):
         def make(q, k, v):
@@ -310,7 +311,7 @@ def decode_cases(torch, wanted: list[str]) -> list[tuple[str, Callable]]:
     import torch.nn.functional as F
 
     import lssar
-    from lssar.ops.registry import IMPLS
+    from lssar.ops import IMPLS
 
     def sdpa(q, k, v):
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -23,8 +23,12 @@ if importlib.util.find_spec("torch") is None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from lssar.ops import registry
+    if name == "attention":
+        from lssar.ops.api import attention
 
-        return getattr(registry, name)
+        return attention
+    if name == "variants":
+        from lssar.ops.registry import variants
+
+        return variants
     raise AttributeError(f"module 'lssar' has no attribute {name!r}")

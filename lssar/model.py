@@ -30,8 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lssar.nn import Attention, check_int, visibility
-from lssar.ops.chunked import key_inverse_norms
-from lssar.ops.registry import get_variant
+from lssar.ops import get_variant, key_inverse_norms
 from lssar.positions import (
     ROPE_SCALINGS,
     RopeScaling,

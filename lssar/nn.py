@@ -28,10 +28,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lssar.ops import attention, attention_weights, get_variant, key_spans
 from lssar.ops.common import as_4d
-from lssar.ops.reference import attention_weights
-from lssar.ops.registry import attention, get_variant
-from lssar.ops.spans import key_spans
 from lssar.positions import alibi_slopes as _alibi_slopes
 from lssar.positions import apply_rope, check_pos, check_rope, rope_cache
 from lssar.spec import AttentionSpec

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lssar.ops.registry import ALIBI_VARIANTS, get_variant
+from lssar.ops import ALIBI_VARIANTS, get_variant
 
 POSITIONS = ("rope", "alibi", "nope")
 ROPE_SCALINGS = ("linear", "ntk", "dynamic-ntk", "yarn")

@@ -25,9 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from lssar.ops.registry import IMPLS, get_variant, resolve
+from lssar.ops import IMPLS, check, get_variant
 
 
 def check_attention(attn: str, options: Mapping[str, Any], impl: str = "auto") -> dict[str, Any]:
@@ -49,16 +47,15 @@ def check_attention(attn: str, options: Mapping[str, Any], impl: str = "auto") -
 def _check_runs(attn: str, options: Mapping[str, Any], impl: str, dropout_p: float) -> None:
     if impl == "auto":
         return
-    probe = torch.zeros(1, 1, 1, 2)  # (B, H, T, D)
-    resolve(attn, impl, probe, probe, dropout_p, dict(options))
+    check(attn, impl, options, dropout_p=dropout_p)
 
 
 def check_runs(spec: AttentionSpec, dropout_p: float = 0.0) -> None:
     """``ValueError`` (the registry's, naming the impls that do) unless the spec's impl runs its
     variant with its options, and with dropout when ``dropout_p > 0`` (``auto`` always does).
-    It asks the registry's resolution, the one place that routes a call, with a one-token probe,
-    so ``attn="lssar", attn_impl="sdpa"`` is refused when it is configured (every spec is
-    checked so on construction), not at the first training step."""
+    It asks the registry (:func:`lssar.ops.registry.check`: the entries' declared support, no
+    tensor), so ``attn="lssar", attn_impl="sdpa"`` is refused when it is configured (every spec
+    is checked so on construction), not at the first training step."""
     _check_runs(spec.name, spec.options, spec.impl, dropout_p)
 
 

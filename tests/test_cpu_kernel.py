@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import lssar
-from lssar.ops import chunked, cpu_kernel, registry
+from lssar.ops import chunked, registry
+from lssar.ops.cpu import build as cpu_kernel
 
 
 def _qkv(b=2, h=2, t=150, d=16, seed=0):
@@ -159,7 +160,7 @@ def _env(root: Path, **extra: str) -> dict[str, str]:
 # the build fails at once (no compiler to wait for) after the lock has been taken
 FAILING_BUILD = """
 import warnings, torch, lssar
-from lssar.ops import cpu_kernel
+from lssar.ops.cpu import build as cpu_kernel
 def no_compiler(*args, **kwargs):
     raise RuntimeError("no compiler on this machine")
 cpu_kernel._compile = no_compiler

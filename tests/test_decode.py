@@ -175,7 +175,7 @@ def test_auto_decode_picks_an_implementation_that_runs_the_variant():
 @pytest.fixture
 def decode_calls(monkeypatch):
     """Counts the calls of the fused kernel's decode entry (skips where it cannot be built)."""
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     mod = kernel()
     if mod is None:
@@ -188,7 +188,7 @@ def decode_calls(monkeypatch):
 @pytest.fixture
 def eager_calls(monkeypatch):
     """Counts the calls of the eager decode (``chunked``'s step; ``cpu``'s fallback)."""
-    from lssar.ops import chunked
+    from lssar.ops import decode as chunked
 
     calls, real = [], chunked._eager_decode
     monkeypatch.setattr(chunked, "_eager_decode", lambda *a: calls.append(a[1].shape) or real(*a))
@@ -318,7 +318,7 @@ def test_cpu_decode_entry_falls_back_where_every_weight_underflows(decode_calls,
 def test_cpu_decode_without_the_kernel_hides_the_padding(monkeypatch, eager_calls):
     """Where the kernel cannot be built the entry falls back to the eager decode, which zeroes
     the masked values itself (attention() left them for the kernel to skip)."""
-    from lssar.ops import cpu_kernel
+    from lssar.ops.cpu import build as cpu_kernel
 
     monkeypatch.setitem(cpu_kernel._loaded, "mod", None)
     g = torch.Generator().manual_seed(9)
@@ -460,7 +460,7 @@ def test_kv_cache_computes_each_key_norm_once(monkeypatch):
     """KVCache.key_norms: 1 / ||k_j|| of every cached key (0 for a zero or non-finite key), each
     computed once, across appends and regrowth of the buffers."""
     import lssar.model as model_mod
-    from lssar.ops.chunked import key_inverse_norms
+    from lssar.ops.decode import key_inverse_norms
 
     computed = []
     real = model_mod.key_inverse_norms
@@ -500,8 +500,8 @@ def test_key_norms_are_checked():
 def test_decode_entry_reads_given_key_norms(monkeypatch, dtype, name, opts):
     """With the cache's key_norms the decode entry normalises no key itself (it is handed the
     norms, GQA and a zero key included) and gives the step it computes without them."""
-    from lssar.ops.chunked import key_inverse_norms
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
+    from lssar.ops.decode import key_inverse_norms
 
     mod = kernel()
     given, real = [], mod.decode
@@ -522,7 +522,7 @@ def test_decode_entry_reads_given_key_norms(monkeypatch, dtype, name, opts):
 def test_generate_hands_the_cached_norms_to_the_decode_entry(monkeypatch):
     """The GPT's decode steps pass KVCache's norms: the entry gets them at every step and the
     tokens are those of the same model whose steps normalise the keys themselves."""
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     mod = kernel()
     given, real = [], mod.decode

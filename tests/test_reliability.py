@@ -128,7 +128,7 @@ def test_the_issues_unfolded_cache_through_auto(dtype):
 
 def test_the_decode_kernel_refuses_overlapping_rows():
     """Defence in depth: the C++ entry checks the row stride (and 0 kv heads) itself."""
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     mod = kernel()
     if mod is None:

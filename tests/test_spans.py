@@ -324,7 +324,7 @@ def test_the_fused_kernel_runs_the_blocks(monkeypatch):
     lssar.attention(
         q, k, v, is_causal=True, cu_seqlens=_cu([100, 200]), impl="cpu"
     ).sum().backward()
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     if kernel() is None:
         pytest.skip("the C++ kernel cannot be built here")  # eager fallback tested elsewhere

@@ -38,7 +38,7 @@ def _python(code_or_args: list[str], tmp: Path) -> subprocess.CompletedProcess:
 def _run_json(tmp: Path, body: str) -> dict:
     """``body`` run in a fresh interpreter with ``json`` and ``compile_check as cc`` imported;
     the JSON of its last printed line."""
-    code = "import json; from lssar.ops.triton import compile_check as cc\n" + body
+    code = "import json; from lssar.ops.triton.devtools import compile_check as cc\n" + body
     proc = _python(["-c", code], tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -58,7 +58,7 @@ def reduced(tmp_path_factory) -> tuple[list[dict], str]:
 
 
 def _assert_clean(rows: list[dict], report: str) -> None:
-    from lssar.ops.triton.compile_check import problems
+    from lssar.ops.triton.devtools.compile_check import problems
 
     bad = problems(rows)
     assert not bad, "\n".join(bad) + "\n\n" + report[-6000:]
@@ -212,7 +212,7 @@ def test_wgmma_dkdv_tiles_are_kept_only_where_measured_clean():
     import torch
 
     from lssar.ops.triton import autotune as A
-    from lssar.ops.triton.compile_check import _config_label
+    from lssar.ops.triton.devtools.compile_check import _config_label
 
     def kept(bd, dtype=torch.bfloat16, ieee=False, split=False, mask=False):
         args = {"Q": torch.zeros(1, dtype=dtype)}
@@ -239,7 +239,7 @@ def test_decode_full_tile_output_pass_keeps_only_the_8_warp_config():
     # the output pass (PASS=2) of a full decode tile (64 rows x head dim 128) spilled on 4 warps
     # and in 64-key blocks; smaller tiles and the LSSAR score pass keep the 4-warp configs
     from lssar.ops.triton import decode as DEC
-    from lssar.ops.triton.compile_check import _config_label
+    from lssar.ops.triton.devtools.compile_check import _config_label
 
     def kept(bm, bd, step):
         kw = dict(BM=bm, BD=bd, BDV=bd, PASS=step)
@@ -275,7 +275,7 @@ def test_unpipelined_row_tile_is_only_a_fallback():
 
 
 def test_problems_flags_errors_and_shared_memory():
-    from lssar.ops.triton.compile_check import problems
+    from lssar.ops.triton.devtools.compile_check import problems
 
     base = {"case": "c", "kernel": "dq", "config": "128x128 w8 s2", "arch": 80, "kept": True}
     ok = {
@@ -443,8 +443,8 @@ def test_an_unreadable_cache_entry_is_rebuilt_and_said_once(tmp_path):
 def test_cost_model_arithmetic():
     """The static model on fixed inputs (lssar.ops.triton.cost): MMA shapes to FLOP, the tiles a
     causal problem visits, a kernel's clocks from its per-loop counts, the calibration."""
-    from lssar.ops.triton import cost as C
-    from lssar.ops.triton.sass import mma_flop
+    from lssar.ops.triton.devtools import cost as C
+    from lssar.ops.triton.devtools.sass import mma_flop
 
     assert mma_flop("HGMMA.64x128x16.F32.BF16") == 2 * 64 * 128 * 16 / 4  # per warp
     assert mma_flop("HMMA.16816.F32.BF16") == 2 * 16 * 8 * 16

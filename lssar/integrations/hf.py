@@ -44,10 +44,7 @@ from lssar.integrations.hf_gpt import (
     hf_tokenizer,
     register_auto,
 )
-from lssar.ops.reference import attention_weights
-from lssar.ops.registry import attention, get_variant
-from lssar.ops.spans import key_spans
-from lssar.ops.variants import VARIANTS, Variant
+from lssar.ops import VARIANTS, Variant, attention, attention_weights, get_variant, key_spans
 
 __all__ = [
     "TOKENIZER_INFO",

@@ -33,7 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lssar.integrations import packing
 from lssar.model import GPT, GPTConfig, KeyNorms
-from lssar.ops.registry import get_variant
+from lssar.ops import get_variant
 from lssar.positions import RopeScaling, hf_rope_parameters
 from lssar.spec import AttentionSpec
 

@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from lssar.integrations.hf import config_options
 from lssar.integrations.vllm_plugin import BACKEND_NAME
-from lssar.ops.registry import attention, get_variant
+from lssar.ops import attention, get_variant
 
 
 class LssarAttentionBackend(AttentionBackend):

@@ -12,15 +12,13 @@ The op is registered as ``lssar::softplus_attention`` (``torch.library.custom_op
 implementation and a registered autograd formula), so ``torch.compile`` traces through it.
 
 ``fused=True`` (``impl="cpu"``) runs the same op's float32 CPU calls on the fused C++ kernel
-(``csrc/softplus_attention.cpp``, built by :mod:`lssar.ops.cpu_kernel`): the same blocks and the
+(``cpu/softplus_attention.cpp``, built by :mod:`lssar.ops.cpu.build`): the same blocks and the
 same arithmetic in two passes over each cache-resident row instead of a dozen eager passes over
 the slab. Whatever it does not take (float64, CUDA, rows whose every weight underflows, a machine
 that cannot build it) runs on the eager path below.
 
-A decode step (a few queries, no gradient) takes :func:`softplus_decode_op` (``cpu``) or
-:func:`_eager_decode` (``chunked``). At ~630 lines this stays one module for now: the blocked
-forward, backward and both decode paths share one weight rule (:func:`_weights`, the row scale,
-the underflow shift); the decode paths are the part to move out next, with that rule.
+A decode step (a few queries, no gradient) goes to :mod:`lssar.ops.decode`; the blocked forward
+and backward here and that decode share one weight rule (:mod:`lssar.ops.weights`).
 """
 
 from __future__ import annotations
@@ -33,19 +31,16 @@ from lssar.ops.common import (
     REWEIGHT_MIN_KEYS,
     as_4d,
     causal_mask,
-    centred_rows,
-    centring_mean,
-    combined_mask,
-    compute_dtype,
     count_visible,
     expand_kv,
-    log_phi,
-    separate_rows,
     uniform_tolerance,
     unit,
     visible_counts,
 )
+from lssar.ops.decode import decode_applies, decode_step, is_decode_step
 from lssar.ops.spans import KeySpans, add_at_keys, block_visibility
+from lssar.ops.weights import row_scale
+from lssar.ops.weights import softplus_weights as _weights  # a module global: tests spy on it
 
 DEFAULT_BLOCK_ELEMS = 1 << 22  # score elements per block: 16 MB fp32 slabs, a few live at once
 # Fused backward: score elements per block of query rows (per thread, each of its 3-4 slabs 2 MB
@@ -58,10 +53,6 @@ FUSED_BLOCK_ELEMS = 1 << 19
 # flash kernel. LSSAR: blocks of 64 rows whose softplus values are kept between its two passes
 # (written once, read once; recomputing them per tile cost more than the traffic it saves).
 LSSA_ROWS, LSSA_KEY_TILE, LSSAR_ROWS = 256, 512, 64
-# A decode step (``impl="cpu"``, no gradient): at most this many new queries go to the kernel's
-# decode entry, which reads the cache in place, normalises each key as it reads it and cuts the
-# keys into chunks of DECODE_KEY_CHUNK, one task each (so one head's cache uses every thread)
-DECODE_MAX_ROWS, DECODE_KEY_CHUNK = 16, 1024
 
 
 def _block_rows(bh: int, t_k: int, block: int) -> int:
@@ -82,7 +73,7 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
     weights needed)."""
     if tensors[0].dtype != torch.float32 or q.device.type != "cpu":
         return None
-    from lssar.ops.cpu_kernel import kernel
+    from lssar.ops.cpu.build import kernel
 
     mod = kernel()
     if mod is None:
@@ -98,20 +89,6 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
     *outs, underflow = getattr(mod, name)(*flat, m4, H, is_causal, scale, log_n, *rule, *tiling)
     return None if underflow else outs
-
-
-def _ipow(r: Tensor, p: float) -> Tensor:
-    """``r**p`` by repeated squaring when ``p`` is a small integer (exact and faster than pow)."""
-    if p == int(p) and 1 <= p <= 64:
-        n, result, base = int(p), None, r
-        while n:
-            if n & 1:
-                result = base if result is None else result * base
-            n >>= 1
-            if n:
-                base = base * base
-        return result
-    return r.pow(p)
 
 
 def _block_rows_mask(mask: Tensor | None, i0: int, i1: int, k_end: int) -> Tensor | None:
@@ -141,70 +118,6 @@ def _block_mask(
     return m
 
 
-def _weights(
-    q: Tensor,
-    c: Tensor,
-    k: Tensor,
-    m: Tensor | None,
-    n: Tensor,
-    p: float | None,
-    want_pm1: bool = False,
-):
-    """Unnormalised block weights ``num (B, H, rows, T_k)`` and their row sums ``den``.
-
-    ``s = (q @ k^T) c``: the row scale ``c_i`` after the GEMM, as the reference and the fused
-    kernel apply it (scaling ``q`` first rounds once more, and p = 15 amplifies that rounding
-    into gradient errors beyond the accuracy rule at T = 4-5). The final weights are
-    ``num / den``; callers divide the (small) output or gradient instead of the slab. Also
-    returns ``s`` and, for re-weighting, the statistics the backward needs.
-    """
-    s = (q @ k.transpose(-1, -2)) * c  # (B, H, rows, T_k)
-    a = F.softplus(s)
-    if m is not None:
-        a = torch.where(m, a, 0.0)  # select, never multiply: masked inf/nan must not leak
-    z = a.sum(-1, keepdim=True)
-    shift = None
-    if bool(((z == 0) & (n > 0)).any()):  # rare: every visible softplus underflowed (s < -104)
-        # the same row relative to its largest weight, a_ij / phi(max_j s_ij): cannot underflow
-        ls = log_phi(s, "softplus")
-        if m is not None:
-            ls = torch.where(m, ls, float("-inf"))
-        shift = ls.amax(-1, keepdim=True)
-        shift = torch.where((z == 0) & torch.isfinite(shift), shift, 0.0)
-        a = torch.where(z == 0, torch.exp(ls - shift), a)
-        z = a.sum(-1, keepdim=True)
-    z = torch.where(z > 0, z, torch.ones_like(z))  # fully masked rows: a = 0, any z works
-    if p is None:
-        return s, a, z, (shift,)
-    big = centred_rows(n)  # O_i = 1
-    mu = centring_mean(z, n)
-    x = F.relu(a - mu)  # masked entries: 0 - mu <= 0
-    x_max = x.amax(-1, keepdim=True)
-    has = x_max > uniform_tolerance(x.dtype) * mu  # else every weight is uniform up to rounding
-    x_max = torch.where(has, x_max, torch.ones_like(x_max))
-    r = x * (1.0 / x_max)  # in [0, 1]: r^p cannot overflow
-    r_pm1 = None
-    if want_pm1:  # r^(p-1) for the backward, and r^p from it with one multiply
-        if p > 1:
-            r_pm1 = _ipow(r, p - 1)
-        else:  # r^(p-1) is 1 (p = 1) or unbounded (p < 1) at r = 0, where dx must be 0
-            r_pm1 = torch.where(r > 0, r.pow(p - 1), torch.zeros_like(r))
-        w = r_pm1 * r
-    else:
-        w = _ipow(r, p)
-    w_sum = w.sum(-1, keepdim=True)
-    if not bool(has.all()):  # rare: rows of equal weights fall back to LSSA
-        w = torch.where(has, w, a)
-        w_sum = torch.where(has, w_sum, z)
-    return s, w, w_sum, (shift, big, has, x_max, r_pm1)
-
-
-def _row_scale(n: Tensor, scale: float, log_n: bool) -> Tensor:
-    if log_n:  # c_i = ln(d) ln(N_i), ln(d) passed in as ``scale``
-        return scale * torch.log(n.clamp_min(1.0))
-    return torch.full_like(n, scale)
-
-
 def _blocks(
     q: Tensor,
     k: Tensor,
@@ -232,7 +145,7 @@ def _blocks(
             if keys is None:  # no row of the block sees a key: output stays 0
                 continue
             n = count_visible(m, 0).to(dtype)
-            yield i0, i1, keys, m, n, _row_scale(n, scale, log_n)
+            yield i0, i1, keys, m, n, row_scale(n, scale, log_n)
             continue
         k_end = min(t_k, max(0, offset + i1)) if is_causal else t_k
         if k_end == 0:  # rows before the first key (T_q > T_k, causal): output stays 0
@@ -241,7 +154,7 @@ def _blocks(
         m = _block_mask(mb, is_causal, i0, i1, k_end, offset, q.device)
         n = visible_counts(mb, is_causal, i1 - i0, k_end, q.device, q_start=offset + i0)
         n = n.to(dtype)
-        yield i0, i1, slice(0, k_end), m, n, _row_scale(n, scale, log_n)
+        yield i0, i1, slice(0, k_end), m, n, row_scale(n, scale, log_n)
 
 
 def _spans_of(lo: Tensor | None, hi, sink_lo, sink_hi, t_k: int) -> KeySpans | None:
@@ -280,139 +193,6 @@ def _fused_blocks(name, tensors, mask, scale, log_n, p, block, spans):
             add_at_keys(outs[1], keys, got[1].reshape(kb.shape))
             add_at_keys(outs[2], keys, got[2].reshape(vb.shape))
     return outs
-
-
-def is_decode_step(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """At most :data:`DECODE_MAX_ROWS` queries and no gradient to record: a ``chunked`` call
-    then takes :func:`_eager_decode` (which lets no masked key or value into a result)."""
-    return query.shape[-2] <= DECODE_MAX_ROWS and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    )
-
-
-def decode_applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """Whether a ``cpu`` call goes to the fused kernel's decode entry (:func:`softplus_decode_op`):
-    a decode step (:func:`is_decode_step`) on CPU in float32, bf16 or fp16 (the kernel converts
-    a half-precision cache chunk by chunk as it reads it), keys and values with unit last stride
-    (a KV cache's buffers as they are)."""
-    return (
-        is_decode_step(query, key, value)
-        and query.device.type == "cpu"
-        and query.dtype == key.dtype == value.dtype
-        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and key.stride(-1) == 1
-        and value.stride(-1) == 1
-    )
-
-
-def key_inverse_norms(k: Tensor) -> Tensor:
-    """``1 / ||k_j||`` per key, float32 ``(.., T_k)`` (0 for a zero or non-finite key): what a KV
-    cache keeps for :func:`lssar.attention`'s ``key_norms``."""
-    return _inverse_norms(k.float())[0]
-
-
-def _inverse_norms(k: Tensor) -> tuple[Tensor, Tensor]:
-    """``(1 / ||k_j||`` per key ``(.., T_k)``, ``k``) from one pass over ``k``: a zero key gets 0
-    (cosine 0, as :func:`lssar.ops.common.unit` makes it). Where some key's squares could over-
-    or underflow, or it holds NaN / inf (rare), unit's scaled form, and the non-finite keys
-    zeroed in the returned ``k``, as unit zeroes them."""
-    norm = torch.linalg.vector_norm(k, dim=-1)
-    ok = (norm < 1e15) & ((norm > 1e-15) | (norm == 0))
-    if not bool(ok.all()):
-        big = k.abs().amax(-1)
-        big = torch.where((big > 0) & torch.isfinite(big), big, torch.ones_like(big))
-        norm = torch.linalg.vector_norm(k / big.unsqueeze(-1), dim=-1) * big
-        k = torch.where(torch.isfinite(norm).unsqueeze(-1), k, torch.zeros_like(k))
-        norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
-    return torch.where(norm > 0, 1.0 / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0), k
-
-
-def _eager_decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p) -> Tensor:
-    """The decode entry's arithmetic in torch ops (``chunked``, and ``cpu`` where its kernel
-    cannot run): a kv head's query heads as one block of rows (GQA without repeating the cache),
-    each key's inverse norm from one pass over K, the scores from one product on the raw keys,
-    and only V's masked rows zeroed (a masked key's score is selected out). ``q`` as for
-    :func:`softplus_decode_op`; the output in the compute dtype (float64 for float64)."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    B, hq, t_q, d = q.shape
-    hk, t_k = k.shape[1], k.shape[2]
-    rows = hq // hk * t_q  # the query heads of a kv head, stacked
-    qg = q.to(dtype).reshape(B, hk, rows, d)
-    kf, vf = k.to(dtype), v.to(dtype)
-    m = combined_mask(as_4d(mask), is_causal, t_q, t_k, q.device)
-    if m is not None:
-        m = as_4d(m).expand(B, hq, t_q, t_k).reshape(B, hk, rows, t_k)
-        vf = torch.where(m.any(-2).unsqueeze(-1), vf, torch.zeros_like(vf))
-    n = count_visible(m, t_k).to(dtype) if m is not None else qg.new_full((1, 1, 1, 1), t_k)
-    c = _row_scale(n, scale, log_n)
-    if qk_norm:
-        inv, kf = _inverse_norms(kf)
-        c = c * inv.unsqueeze(-2)  # (B, H_k, rows, T_k): the cosine's scale per key
-    _, num, den, _ = _weights(qg, c, kf, m, n, p)
-    return ((num @ vf) / den).reshape(B, hq, t_q, v.shape[-1])
-
-
-@torch.library.custom_op("lssar::softplus_decode", mutates_args=())
-def softplus_decode_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    is_causal: bool,
-    scale: float,
-    log_n: bool,
-    qk_norm: bool,
-    p: float | None,
-    k_inv: Tensor | None = None,
-) -> Tensor:
-    """A few float32 queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
-    ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys (float32, bf16 or fp16), ``H_q``
-    a multiple of ``H_k``; the output in float32. Each key and value is read once, in place, by
-    the fused kernel's decode entry, which reads no masked key or value
-    (:func:`lssar.ops.registry.attention` leaves them as they are) and takes the keys' inverse
-    norms from ``k_inv (B, H_k, T_k)`` where the cache keeps them; where that kernel cannot run
-    (not built, or a row whose every softplus underflowed), :func:`_eager_decode`."""
-    from lssar.ops.cpu_kernel import kernel
-
-    B, hq, t_q, _ = q.shape
-    mod = kernel()
-    if mod is not None:
-        # the entry reads a float32 cache in place and takes rows that lie apart (it refuses
-        # an unfolded or time-expanded view: a copy)
-        k = separate_rows(k) if k.dtype == torch.float32 else k
-        m4 = None if mask is None else as_4d(mask).expand(B, hq, t_q, k.shape[2])
-        rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(q.dtype))
-        tensors = (q.contiguous(), k, v, k_inv if qk_norm else None, m4)
-        out, underflow = mod.decode(
-            *tensors, is_causal, scale, log_n, qk_norm, *rule, DECODE_KEY_CHUNK
-        )
-        if not underflow:
-            return out
-    return _eager_decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p)
-
-
-@softplus_decode_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, k_inv=None):
-    return q.new_empty(q.shape[:-1] + v.shape[-1:])  # float32, as q
-
-
-def _decode(
-    query, key, value, mask, is_causal, c, log_n, qk_norm, p, spans, fused, key_norms=None
-) -> Tensor:
-    """A decode step: :func:`softplus_decode_op` (``fused``, where :func:`decode_applies`; with
-    the cache's ``key_norms`` if given) or :func:`_eager_decode`; with ``spans`` over only the keys
-    the rows may see (a view of the cache for documents and windows)."""
-    dtype = value.dtype
-    query = unit(query) if qk_norm else query.to(compute_dtype(query.dtype))
-    if spans is not None:
-        keys, mask = block_visibility(spans, as_4d(mask), 0, query.shape[-2])
-        if keys is None:  # no row sees a key
-            return value.new_zeros(query.shape[:-1] + value.shape[-1:])
-        key, value, is_causal = key[:, :, keys], value[:, :, keys], False
-        key_norms = None if key_norms is None else key_norms[:, :, keys]
-    args = (query, key, value, mask, is_causal, c, log_n, qk_norm, p)
-    out = softplus_decode_op(*args, key_norms) if fused else _eager_decode(*args)
-    return out.to(dtype)
 
 
 @torch.library.custom_op("lssar::softplus_attention", mutates_args=())
@@ -454,7 +234,7 @@ def softplus_attention_op(
 
 
 @softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans):
+def _softplus_attention_fake(q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans):
     return v.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
@@ -532,7 +312,9 @@ def softplus_attention_backward_op(
 
 
 @softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans):
+def _softplus_attention_backward_fake(
+    grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans
+):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -586,7 +368,7 @@ def _softplus_attention(
     if decode_applies(query, key, value) if fused else is_decode_step(query, key, value):
         p = None if p is None else float(p)
         args = (attn_mask, is_causal, float(c), log_n, variant.qk_norm, p, spans, fused)
-        return _decode(query, key, value, *args, key_norms)
+        return decode_step(query, key, value, *args, key_norms)
     if enable_gqa:
         key, value = expand_kv(query, key, value)
     if variant.qk_norm:  # in float32 for half inputs, robust at every scale

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lssar.model import GPTConfig
-from lssar.ops.registry import BACKENDS, IMPLS
+from lssar.ops import BACKENDS, IMPLS
 from lssar.runio import child_path
 from lssar.spec import AttentionSpec, check_runs
 
@@ -177,7 +177,7 @@ KEY_HELP: dict[str, str] = {
 
 def key_choices() -> dict[str, list[str]]:
     """The keys of :class:`TrainConfig` that take one of a few names, and those names."""
-    from lssar.ops.variants import VARIANTS
+    from lssar.ops import VARIANTS
     from lssar.positions import POSITIONS
 
     flags = ["true", "false"]

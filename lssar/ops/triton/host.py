@@ -446,7 +446,7 @@ def triton_softplus_decode_op(
 
 
 @triton_softplus_decode_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
+def _triton_decode_fake(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise):
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
@@ -498,8 +498,8 @@ def triton_softplus_attention_op(
 
 
 @triton_softplus_attention_op.register_fake
-def _(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise, deterministic=False,
-      for_backward=True, *spans):  # fmt: skip
+def _triton_attention_fake(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, precise,
+                           deterministic=False, for_backward=True, *spans):  # fmt: skip
     B, H, t_q, _ = q.shape
     return (
         q.new_empty(B, H, t_q, v.shape[-1]),
@@ -538,7 +538,7 @@ def triton_softplus_attention_backward_op(
 
 
 @triton_softplus_attention_backward_op.register_fake
-def _(grad, q, k, v, out, mask, stats, aux, *args):
+def _triton_attention_backward_fake(grad, q, k, v, out, mask, stats, aux, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

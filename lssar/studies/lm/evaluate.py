@@ -39,7 +39,7 @@ from lssar import clihelp
 from lssar.data import get_tokenizer, iter_eval_windows, load_split, read_manifest
 from lssar.data.manifest import manifest_files
 from lssar.model import GPT
-from lssar.ops.variants import VARIANTS
+from lssar.ops import VARIANTS
 from lssar.positions import ROPE_SCALINGS, with_pos
 from lssar.runio import atomic_write, child_path, environment
 from lssar.studies.common import code_digest

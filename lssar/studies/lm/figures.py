@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from lssar.ops.variants import VARIANTS
+from lssar.ops import VARIANTS
 from lssar.studies.labels import group
 from lssar.studies.stats import mean_ci
 from lssar.studies.style import facets, grid, legend_below, spread, style

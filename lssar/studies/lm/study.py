@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from lssar.ops.registry import get_variant
+from lssar.ops import get_variant
 from lssar.runio import child_path
 from lssar.spec import AttentionSpec
 from lssar.studies.common import Arm, Study, select_arms, study_args, study_parser, units_by_run

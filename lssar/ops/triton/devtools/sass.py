@@ -1,8 +1,8 @@
 """SASS of a compiled Triton kernel: instructions, their classes, the innermost loops.
 
 Reads a cubin with the ``cuobjdump`` that ships in the ``triton`` wheel (no GPU, no CUDA toolkit
-needed). Used by :mod:`lssar.ops.triton.compile_check` (tensor-core instructions, spills) and
-:mod:`lssar.ops.triton.cost` (instructions per score in the inner loops).
+needed). Used by :mod:`lssar.ops.triton.devtools.compile_check` (tensor-core instructions,
+spills) and :mod:`lssar.ops.triton.devtools.cost` (instructions per score in the inner loops).
 """
 
 import re
@@ -82,7 +82,7 @@ def innermost_loops(instrs: list[tuple[int, str, int | None]]) -> list[tuple[int
     branch closes a loop that starts at its target; a loop containing another loop is not
     innermost. Triton's software pipelining leaves the steady state of each ``for`` over key /
     query blocks here (in source order: the cost model relies on it, see
-    :mod:`lssar.ops.triton.cost`)."""
+    :mod:`lssar.ops.triton.devtools.cost`)."""
     loops = sorted({(t, a) for a, _, t in instrs if t is not None and t < a})
     return [
         (s, e)
