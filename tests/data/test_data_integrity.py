@@ -15,7 +15,7 @@ import pytest
 
 from lssar.data import get_tokenizer, load_split, manifest, prepare, read_manifest
 from lssar.runio import DiskFullError
-from tests.test_data import make_docs
+from tests.data.test_data import make_docs
 
 
 @pytest.fixture
@@ -210,7 +210,7 @@ def test_a_second_preparer_waits_for_the_first_and_reuses_its_dataset(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     try:
         assert other.stdout.readline().strip() == "locked"

@@ -563,9 +563,9 @@ def pool_with_a_killed_worker(out: str) -> None:
 def test_a_killed_worker_names_its_run_and_says_a_rerun_resumes(tmp_path):
     """It was a bare BrokenProcessPool traceback and a leaked-semaphore warning (printed by
     the resource tracker as the process exits: so the pool runs in a process of its own)."""
-    main = "from tests.test_reliability import pool_with_a_killed_worker as main"
+    main = "from tests.ops.test_reliability import pool_with_a_killed_worker as main"
     code = f"{main}; main({str(tmp_path)!r})"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600
     )

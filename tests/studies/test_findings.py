@@ -22,7 +22,7 @@ from lssar.studies.findings import (
 )
 from lssar.studies.labels import label_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT = "reports/cpu-baselines-2026-12-03"
 
 

@@ -25,7 +25,7 @@ from lssar.train import train
 from lssar.train.config import load_config
 from lssar.train.runs import load_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(
     n_layer=2,
     n_head=2,

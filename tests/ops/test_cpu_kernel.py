@@ -147,7 +147,7 @@ def test_key_tiles_add_up_to_the_whole_row(p):
 # The build cache: a killed or hung build never blocks a later call, and environments do not
 # share (so rebuild) one entry. Real builds run in subprocesses with their own
 # TORCH_EXTENSIONS_DIR: the shared cache other processes load from is never touched.
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env(root: Path, **extra: str) -> dict[str, str]:

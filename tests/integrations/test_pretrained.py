@@ -178,7 +178,7 @@ def test_finetune_resumes_exactly_after_sigkill(tiny_dir, corpus, tmp_path):
     from dataclasses import asdict
 
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(asdict(cfg))],
-                            cwd=Path(__file__).parents[1])  # fmt: skip
+                            cwd=Path(__file__).parents[2])  # fmt: skip
     log = tmp_path / "runs" / "killed" / "log.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code_or_args: list[str], tmp: Path) -> subprocess.CompletedProcess:

@@ -41,7 +41,7 @@ with exclusive_lock(sys.argv[1], "test"):
 def lock_held_elsewhere(directory: Path) -> Iterator[subprocess.Popen]:
     """Another process holding ``directory``'s lock until the block ends (then it releases
     it and exits)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(directory)],
         stdin=subprocess.PIPE,
@@ -151,7 +151,7 @@ def test_cli_reports_a_run_failure_in_one_line(monkeypatch, capsys) -> None:
     def busy(argv):
         raise LockedError("run runs/x is in use by pid 1 on host h: wait for it")
 
-    monkeypatch.setitem(lssar.cli.COMMANDS, "busy", ("tests.test_runio:_busy", ""))
+    monkeypatch.setitem(lssar.cli.COMMANDS, "busy", ("tests.train.test_runio:_busy", ""))
     monkeypatch.setattr(sys.modules[__name__], "_busy", busy, raising=False)
     assert main(["busy"]) == 1
     err = capsys.readouterr().err
