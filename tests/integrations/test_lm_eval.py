@@ -22,7 +22,7 @@ from lssar.data import ByteTokenizer  # noqa: E402
 from lssar.integrations.lm_eval import LOCAL_TASKS, LssarLM, write_local_tasks  # noqa: E402
 from lssar.model import GPT, GPTConfig  # noqa: E402
 from lssar.spec import AttentionSpec  # noqa: E402
-from tests.integrations.test_hf import make_tiny_run  # noqa: E402
+from tests.integrations.test_hf_export import make_tiny_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

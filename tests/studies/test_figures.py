@@ -243,7 +243,7 @@ def test_lm_figures_of_the_committed_reports(report, figures, tmp_path, saved):
 
 
 def test_lm_titles_say_what_the_marks_are(tmp_path, saved):
-    from tests.studies.test_evaluate import _arm, _diag, _fake
+    from tests.studies.test_lm_report import _arm, _diag, _fake
 
     plot_results([_fake("softmax", "softmax", [2.0] * 5)], tmp_path / "one")
     assert saved["loss_vs_length.png"].get_suptitle() == "Loss vs length (one seed: no band)"
