@@ -1,14 +1,7 @@
-"""The attention core: every fast path vs the float64 reference, the references vs the paper."""
+"""The attention core: every fast path vs the float64 reference, and the properties every
+implementation keeps (edge cases, causality and row sums, the cache alignment, half precision)."""
 
 from __future__ import annotations
-
-import ast
-import dataclasses
-import inspect
-import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +12,7 @@ from lssar.ops import registry
 from lssar.ops.reference import attention_weights
 from lssar.ops.variants import VARIANTS
 from tests.accuracy import assert_within_rule, err, rounding_sensitivity
+from tests.ops.attention_inputs import _inputs, _padding_mask
 
 # (variant, options): one per code path of the fast implementations; the grid is every variant
 # here x every implementation the registry says runs it
@@ -36,6 +30,8 @@ VARIANT_CASES = [
     ("softmax-qknorm-const", {"n": 64}),
     ("softmax-qknorm-learned", {"n": 64, "s": 1.3}),
 ]
+
+
 # the baseline itself, and the GPU backends, whose files hold them to the same rule on shapes the
 # Triton interpreter / CPU FlexAttention (forward only, a compile per shape) can afford
 NOT_IN_GRID = {"reference", "triton", "flex"}
@@ -52,6 +48,7 @@ def _grid(cases, exclude=NOT_IN_GRID):
 
 FAST = _grid(VARIANT_CASES)
 
+
 SHAPES = [  # (B, H_q, H_kv, T_q, T_k, D)
     (1, 2, 2, 1, 1, 32),
     (2, 2, 2, 7, 7, 64),
@@ -62,23 +59,6 @@ SHAPES = [  # (B, H_q, H_kv, T_q, T_k, D)
     (1, 2, 2, 4, 4, 100),
     (1, 4, 2, 5, 5, 32),
 ]
-
-
-def _inputs(shape, dtype, seed=0):
-    b, hq, hkv, tq, tk, d = shape
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, tq, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, hkv, tk, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, hkv, tk, d, generator=g, dtype=torch.float64)
-    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
-
-
-def _padding_mask(shape, seed=0):
-    b, _, _, tq, tk, _ = shape
-    g = torch.Generator().manual_seed(seed + 1)
-    m = torch.rand(b, 1, tq, tk, generator=g) > 0.3
-    m[:, :, tq // 2] = False  # one fully masked row
-    return m
 
 
 def _run(q, k, v, grad, **kw):
@@ -164,146 +144,6 @@ def test_nearly_one_hot_rows_keep_gradient_precision(impl):
         q, k, v = _nearly_one_hot(torch.float32, seed)
         ref = _run(q, k, v, grad.float(), impl="reference", **kw)
         assert_within_rule(_run(q, k, v, grad.float(), impl=impl, **kw), ref, golden, sens)
-
-
-@pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("masked", [False, True])
-def test_reference_gradcheck(name, masked):
-    shape = (1, 2, 2, 6, 6, 8)
-    q, k, v = _inputs(shape, torch.float64, seed=3)
-    mask = _padding_mask(shape, seed=3) if masked else None
-    opts = {"s": torch.tensor([0.7, 1.4], dtype=torch.float64)} if name == "ssmax" else {}
-
-    def fn(q, k, v):
-        return lssar.attention(
-            q, k, v, mask, is_causal=True, variant=name, impl="reference", **opts
-        )
-
-    assert torch.autograd.gradcheck(fn, (q, k, v))
-
-
-@pytest.mark.parametrize("name", ["softplus-l1", "sigmoid-l1", "softmax"])
-def test_reweighting_on_other_normalisers_gradcheck(name):
-    q, k, v = _inputs((1, 1, 1, 7, 7, 8), torch.float64, seed=4)
-    assert torch.autograd.gradcheck(
-        lambda q, k, v: lssar.attention(
-            q, k, v, is_causal=True, variant=name, impl="reference", p=15.0
-        ),
-        (q, k, v),
-    )
-
-
-def _paper_lssar(q, k, p):
-    """docs/method.md sections 3-4 literally, one row at a time, for a causal single head."""
-    t, d = q.shape
-    rows = []
-    for i in range(t):
-        n = i + 1
-        c = math.log(d) * math.log(n)
-        s = c * F.normalize(q[i], dim=-1) @ F.normalize(k[:n], dim=-1).T
-        a = F.softplus(s)
-        big_a = a / a.sum()
-        x = F.relu(n * big_a - (1.0 if n > 3 else 0.0))
-        w = x**p / (x**p).sum() if x.max() > 0 else big_a
-        rows.append(F.pad(w, (0, t - n)))
-    return torch.stack(rows)
-
-
-@pytest.mark.parametrize("p", [1.0, 3.0, 15.0])
-def test_reference_is_the_paper_formula(p):
-    q, k, _ = _inputs((1, 1, 1, 12, 12, 16), torch.float64, seed=5)
-    w = attention_weights(q, k, is_causal=True, variant=VARIANTS["lssar"], options={"p": p})
-    assert torch.allclose(w[0, 0], _paper_lssar(q[0, 0], k[0, 0], p), atol=1e-12)
-
-
-def test_centred_identity_of_method_section_4():
-    """P_ij is proportional to ReLU(softplus(s_ij) - mu_i)^p for N_i > 3, softplus^p below."""
-    q, k, _ = _inputs((1, 1, 1, 9, 9, 16), torch.float64, seed=6)
-    p = 15.0
-    w = attention_weights(q, k, is_causal=True, variant=VARIANTS["lssar"], options={"p": p})[0, 0]
-    d = q.shape[-1]
-    for i in range(9):
-        n = i + 1
-        s = (
-            math.log(d)
-            * math.log(n)
-            * F.normalize(q[0, 0, i], dim=-1)
-            @ F.normalize(k[0, 0, :n], dim=-1).T
-        )
-        a = F.softplus(s)
-        x = F.relu(a - a.mean()) if n > 3 else a
-        assert torch.allclose(w[i, :n], x**p / (x**p).sum(), atol=1e-12)
-
-
-@pytest.mark.parametrize(
-    "name, phi, s_h",
-    [
-        ("softmax-qknorm-const", torch.exp, None),
-        ("softmax-qknorm-learned", torch.exp, [0.6, 1.7]),
-        ("lssa-const", F.softplus, None),
-    ],
-)
-def test_constant_scale_variants_are_their_formula(name, phi, s_h):
-    """c = s_h ln(d) ln(n) on every row (s_h = 1 without a learned scale), then phi and l1,
-    row by row; at the row that sees exactly n keys it is LSSA's / softmax-qknorm-logn's scale."""
-    q, k, _ = _inputs((1, 2, 2, 9, 9, 16), torch.float64, seed=7)
-    n, d = 5, 16
-    opts = {"n": n} | ({} if s_h is None else {"s": torch.tensor(s_h, dtype=torch.float64)})
-    w = attention_weights(q, k, is_causal=True, variant=VARIANTS[name], options=opts)[0]
-    for h in range(2):
-        c = math.log(d) * math.log(n) * (1.0 if s_h is None else s_h[h])
-        for i in range(9):
-            cos = F.normalize(q[0, h, i], dim=-1) @ F.normalize(k[0, h, : i + 1], dim=-1).T
-            a = phi(c * cos)
-            assert torch.allclose(w[h, i, : i + 1], a / a.sum(), atol=1e-12)
-            assert torch.all(w[h, i, i + 1 :] == 0)
-    if s_h is None:
-        log_n = "softmax-qknorm-logn" if phi is torch.exp else "lssa"
-        ref = attention_weights(q, k, is_causal=True, variant=VARIANTS[log_n], options={})[0]
-        assert torch.allclose(w[:, n - 1], ref[:, n - 1], atol=1e-12)  # row n - 1 sees n keys
-        assert not torch.allclose(w[:, -1], ref[:, -1], atol=1e-3)
-
-
-def test_learned_scale_gradcheck_through_s_and_sdpa_agrees():
-    q, k, v = _inputs((1, 2, 2, 6, 6, 8), torch.float64, seed=8)
-    s = torch.tensor([0.7, 1.4], dtype=torch.float64, requires_grad=True)
-
-    def fn(q, k, v, s, impl="reference"):
-        return lssar.attention(
-            q, k, v, is_causal=True, variant="softmax-qknorm-learned", impl=impl, n=6, s=s
-        )
-
-    assert torch.autograd.gradcheck(fn, (q, k, v, s))
-    assert torch.allclose(fn(q, k, v, s, "sdpa"), fn(q, k, v, s), atol=1e-12)
-    for bad in (0, 2.5, True):
-        with pytest.raises(ValueError, match="n \\(the length whose scale"):
-            lssar.attention(q, k, v, variant="softmax-qknorm-const", n=bad)
-    with pytest.raises(ValueError, match="takes no `scale`"):
-        lssar.attention(q, k, v, variant="lssa-const", scale=0.5)
-    # the fused softplus kernels compute ln(N_i) or a 1/sqrt(d) scale, not a frozen one: they
-    # refuse lssa-const rather than run another rule
-    assert registry.supporting("lssa-const") == ["reference"]
-    with pytest.raises(ValueError, match="does not run variant 'lssa-const'"):
-        lssar.attention(q, k, v, variant="lssa-const", impl="chunked")
-
-
-def test_reweighting_on_softmax_with_the_length_scale():
-    """softmax-qknorm-logn p=15 (a decomposition arm): the LSSAR re-weighting of its rows."""
-    q, k, v = _inputs((1, 1, 1, 7, 7, 8), torch.float64, seed=9)
-    base = VARIANTS["softmax-qknorm-logn"]
-    a = attention_weights(q, k, is_causal=True, variant=base, options={})[0, 0]
-    w = attention_weights(q, k, is_causal=True, variant=base, options={"p": 15.0})[0, 0]
-    for i in range(7):
-        n = i + 1
-        x = F.relu(n * a[i, :n] - (1.0 if n > 3 else 0.0))
-        want = x**15 / (x**15).sum() if x.max() > 0 else a[i, :n]
-        assert torch.allclose(w[i, :n], want, atol=1e-12)
-    assert torch.autograd.gradcheck(
-        lambda q, k, v: lssar.attention(
-            q, k, v, is_causal=True, variant="softmax-qknorm-logn", p=15.0
-        ),
-        (q, k, v),
-    )
 
 
 @pytest.mark.parametrize(
@@ -407,249 +247,6 @@ def test_dropout_is_applied_never_ignored():
     assert not torch.allclose(a, b)
     with pytest.raises(ValueError, match="dropout"):
         lssar.attention(q, k, v, dropout_p=0.5, variant="lssa", impl="chunked")
-
-
-# every impl torch.compile traces (flex compiles itself; triton's interpreter is not compiled)
-COMPILED = [i for i in registry.IMPLS if i not in ("flex", "triton")]
-
-
-def _compiled_matches_eager(fn, compiled, shapes, grad=True):
-    for shape in shapes:
-        q, k, v = _inputs(shape, torch.float32)
-        mask = torch.arange(shape[4]) < torch.tensor([shape[4], shape[4] - 3]).reshape(2, 1, 1, 1)
-        with torch.set_grad_enabled(grad):
-            out = compiled(q, k, v, mask)
-            ref = fn(q, k, v, mask)
-        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-        if not grad:
-            continue
-        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
-        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads, ref_grads))
-
-
-@pytest.fixture
-def fresh_dynamo():
-    """Each compile test starts from an empty dynamo cache: the tests share one function's code,
-    and fullgraph=True turns hitting the recompile limit into an error."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _call(impl):
-    name = "lssar" if impl in registry.supporting("lssar") else "ssmax"
-    opts = {"p": 3.0} if name == "lssar" else {"s": 1.3}  # float options: symbolic when dynamic
-
-    def fn(q, k, v, mask):
-        return lssar.attention(q, k, v, mask, is_causal=True, variant=name, impl=impl, **opts)
-
-    return fn
-
-
-@pytest.mark.parametrize("impl", COMPILED)
-def test_torch_compile_fullgraph_with_a_mask(impl, fresh_dynamo):
-    """A masked call is one graph (fullgraph=True raises at a break): nothing in the mask
-    handling reads tensor contents on the host."""
-    fn = _call(impl)
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    _compiled_matches_eager(fn, compiled, [(2, 2, 2, 40, 40, 16)])
-
-
-@pytest.mark.parametrize("impl", COMPILED)
-def test_torch_compile_dynamic_shapes(impl, fresh_dynamo):
-    """dynamic=True: sizes and float options (p, s) are symbolic. Dynamo's own backend and the
-    forward only: what broke was tracing (math.isfinite of a symbolic p), and lowering a
-    symbolic graph costs tens of seconds on 2 cores."""
-    fn = _call(impl)
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
-    shapes = [(2, 2, 2, 40, 40, 16), (2, 2, 2, 33, 33, 16)]
-    _compiled_matches_eager(fn, compiled, shapes, grad=False)
-
-
-def test_torch_compile_learnable_ssmax_s(fresh_dynamo):
-    """A per-head tensor s (the GPT's learnable one) stays in the graph; a NaN in it is still
-    refused, by a check the compiled graph runs (the eager ValueError needs s on the host)."""
-    q, k, v = (t.detach() for t in _inputs((1, 2, 2, 20, 20, 16), torch.float32))
-
-    def fn(s):
-        return lssar.attention(q, k, v, is_causal=True, variant="ssmax", impl="sdpa", s=s)
-
-    compiled = torch.compile(fn, fullgraph=True, backend="eager")
-    s = torch.tensor([1.0, 1.3])
-    assert torch.allclose(compiled(s), fn(s))
-    with pytest.raises(RuntimeError, match="s must be finite"):
-        compiled(torch.tensor([1.0, float("nan")]))
-
-
-def test_variants_listing():
-    listing = {v["name"]: v for v in lssar.variants()}
-    assert set(listing) == set(VARIANTS)
-    assert listing["lssar"]["options"] == {"p": 15.0}
-    assert listing["lssar-p3"]["options"] == {"p": 3.0}
-    assert "chunked" in listing["lssar"]["impls"] and "sdpa" in listing["softmax"]["impls"]
-
-
-@pytest.mark.parametrize(
-    "call,match",
-    [
-        (lambda q, k, v: lssar.attention(q[0], k, v), "query must have 4 dims"),
-        (lambda q, k, v: lssar.attention(q, k[..., :4], v), "head dims differ"),
-        (lambda q, k, v: lssar.attention(q, k[:, :3], v[:, :3], enable_gqa=True), "divisible"),
-        (lambda q, k, v: lssar.attention(q, k[:, :2], v[:, :2]), "enable_gqa=True"),
-        (lambda q, k, v: lssar.attention(q, k, v, torch.ones(3, 3)), "boolean"),
-        (lambda q, k, v: lssar.attention(q, k, v, torch.ones(5, 2, dtype=torch.bool)), "broadcast"),
-        (lambda q, k, v: lssar.attention(q, k, v, p=0.0), "p must be"),
-        (lambda q, k, v: lssar.attention(q, k, v, p=float("nan")), "p must be"),
-        (lambda q, k, v: lssar.attention(q, k, v, variant="lssa", q=2), "takes no option 'q'"),
-        (lambda q, k, v: lssar.attention(q, k, v, variant="relu", p=3.0), "takes no option 'p'"),
-        (lambda q, k, v: lssar.attention(q, k, v, variant="nope"), "valid variants: softmax"),
-        (lambda q, k, v: lssar.attention(q, k, v, impl="cuda"), "valid impls"),
-        (lambda q, k, v: lssar.attention(q, k, v, variant="relu", impl="chunked"), "use one of"),
-        (lambda q, k, v: lssar.attention(q, k, v, variant="lssa", scale=0.1), "pass scale=None"),
-        (lambda q, k, v: lssar.attention(q, k, v, dropout_p=1.5), "dropout_p"),
-        (lambda q, k, v: lssar.attention(q.int(), k, v), "float16"),
-    ],
-)
-def test_bad_input_errors(call, match):
-    q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))
-    with pytest.raises(ValueError, match=match):
-        call(q, k, v)
-
-
-def _count_check_inputs(monkeypatch) -> list[int]:
-    """Count calls of check_inputs wherever an lssar.ops module holds a reference to it."""
-    from lssar.ops import common
-
-    calls = [0]
-    original = common.check_inputs
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("lssar") and getattr(module, "check_inputs", None) is original:
-            monkeypatch.setattr(module, "check_inputs", counting)
-    return calls
-
-
-@pytest.mark.parametrize("impl", list(registry.IMPLS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_check_inputs_runs_once_per_call(impl, dtype, monkeypatch):
-    """Arguments are checked once, in lssar.attention; the float64 fallback does not re-check."""
-    name = "lssar" if impl in registry.supporting("lssar") else "softmax"
-    assert callable(registry.BACKENDS[impl].fn)  # imported first, so its module is patched too
-    calls = _count_check_inputs(monkeypatch)
-    q, k, v = (t.detach() for t in _inputs((1, 2, 2, 6, 6, 16), dtype))  # flex: CPU forward only
-    lssar.attention(q, k, v, is_causal=True, variant=name, impl=impl)
-    assert calls[0] == 1
-
-
-def test_float64_fallback_is_the_chunked_result():
-    q, k, v = _inputs((1, 2, 2, 9, 9, 16), torch.float64)
-    chunked = lssar.attention(q, k, v, is_causal=True, impl="chunked")
-    for impl in set(registry.IMPLS) & {"triton", "flex"}:
-        assert registry.resolve("lssar", impl, q, k, 0.0, {})[1] == "chunked"
-        torch.testing.assert_close(
-            lssar.attention(q, k, v, is_causal=True, impl=impl), chunked, rtol=0, atol=0
-        )
-        with pytest.raises(ValueError, match=f"impl={impl!r} has no dropout"):
-            lssar.attention(q, k, v, dropout_p=0.1, impl=impl)
-
-
-def test_impl_options_reach_the_implementation(monkeypatch):
-    q, k, v = _inputs((1, 2, 2, 40, 40, 16), torch.float32)
-    one_block = lssar.attention(q, k, v, is_causal=True, impl="chunked")
-    blocks = lssar.attention(q, k, v, is_causal=True, impl="chunked", impl_options={"block": 16})
-    torch.testing.assert_close(blocks, one_block)
-    calls = []
-    original = registry.BACKENDS["chunked"].fn
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("block"))
-        return original(*args, **kwargs)
-
-    entry = dataclasses.replace(registry.BACKENDS["chunked"], load=lambda: spy)
-    monkeypatch.setitem(registry.BACKENDS, "chunked", entry)
-    lssar.attention(q, k, v, impl="chunked", impl_options={"block": 16})
-    lssar.attention(q, k, v, impl="chunked")
-    assert calls == [16, None]
-
-
-@pytest.mark.parametrize(
-    "kw,match",
-    [
-        (dict(impl="chunked", impl_options={"blocks": 2}), "no option 'blocks'.*block=0"),
-        (dict(impl="reference", impl_options={"precise": False}), "options are: none"),
-        (dict(impl="chunked", impl_options={"block": -1}), "must be an int >= 0"),
-        (dict(impl="chunked", impl_options={"block": True}), "must be an int >= 0"),
-        (dict(impl="auto", impl_options={"block": 2}), "pass impl= explicitly"),
-        (dict(impl="chunked", impl_options=[("block", 2)]), "must be a dict"),
-    ],
-)
-def test_impl_options_are_validated(kw, match):
-    q, k, v = _inputs((1, 2, 2, 6, 6, 8), torch.float32)
-    with pytest.raises(ValueError, match=match):
-        lssar.attention(q, k, v, variant="lssar", **kw)
-
-
-def test_registry_entries_match_their_functions():
-    """Each available entry's options are its function's keyword options, with their defaults;
-    an entry takes ``alibi_slopes`` and ``spans`` exactly when it says so; every entry's fallback
-    exists and runs what it falls back from."""
-    for name, entry in registry.IMPLS.items():
-        params = inspect.signature(entry.fn).parameters
-        extra = {
-            n: p.default
-            for n, p in params.items()
-            if p.kind is p.KEYWORD_ONLY
-            and n not in ("variant", "options", "alibi_slopes", "spans", "key_norms")
-        }
-        assert extra == dict(entry.options), name
-        assert ("alibi_slopes" in params) == entry.alibi, name
-        assert ("spans" in params) == entry.spans, name
-        assert ("key_norms" in params) == entry.key_norms, name
-    for name, entry in registry.BACKENDS.items():
-        if entry.float64 is not None:
-            target = registry.BACKENDS[entry.float64]
-            assert target.float64 is None and target.available
-            for v in VARIANTS.values():
-                assert not entry.supports(v, v.options) or target.supports(v, v.options), name
-    listing = {i["name"]: i for i in registry.implementations()}
-    assert list(listing) == list(registry.BACKENDS)
-    assert [n for n, i in listing.items() if i["available"]] == list(registry.IMPLS)
-    assert listing["triton"]["options"] == {"precise": True, "deterministic": False}
-
-
-def test_no_backend_imports_the_registry():
-    """The registry owns its backends: no module of lssar.ops imports it (or lssar, which
-    re-exports it); importing lssar imports neither it nor torch (the lssar command sets
-    OpenMP's environment first), and reaching lssar.attention loads the registry but no backend
-    (they load on first use)."""
-    ops = Path(registry.__file__).parent
-    for path in sorted(ops.rglob("*.py")):
-        if path.name == "registry.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                assert name not in ("lssar", "lssar.ops.registry"), (path, name)
-    code = (
-        "import sys, lssar\n"
-        "assert 'torch' not in sys.modules and 'lssar.ops' not in sys.modules\n"
-        "lssar.attention\n"
-        "loaded = [m for m in sys.modules if m.startswith('lssar.ops.')]\n"
-        "assert sorted(loaded) == ['lssar.ops.common', 'lssar.ops.registry', "
-        "'lssar.ops.spans', 'lssar.ops.variants'], loaded\n"
-        "assert 'triton' not in sys.modules\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.slow

@@ -1,42 +1,39 @@
-"""Reliability, third round: what a hostile user found after the second.
+"""Reliability, third round: what a hostile user found after the second (the op layer).
 
 Each test names its defect class: a legal tensor view that reached a kernel assuming other
 strides (a silent wrong answer), a zero-size dimension that killed the process, window and sink
 counts that wrapped around int64, a mask hint that inverted a 0/1 mask (and every other hint an
-error gives, followed here to the right answer), ``cu_seqlens`` on the wrong device, numeric
-options that computed NaN, the study pool that went on after a refusal or died with a bare
-traceback, ``lssar orbits --threads -1``. The data-integrity class is in
-``tests/test_data_integrity.py``, the compile-check cache in ``tests/test_triton_compile.py``,
-the findings checker in ``tests/test_findings.py``.
+error gives, followed here to the right answer), ``cu_seqlens`` on the wrong device, values of
+p and scale the kernels cannot compute. The model's options are in
+``tests/model/test_numeric_options.py``, the study pool and ``lssar orbits --threads -1`` in
+``tests/studies/test_unit_pool.py``, the data-integrity class in
+``tests/data/test_data_integrity.py``, the compile-check cache in
+``tests/ops/test_triton_compile.py``, the findings checker in ``tests/studies/test_findings.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import lssar
-from lssar.cli import main as cli_main
-from lssar.model import GPT, GPTConfig
 from lssar.ops import registry
-from lssar.runio import RunFailure
-from lssar.studies.common import run_units
 from tests.accuracy import err
 
 # one variant per impl (the family it runs); flex is forward-only on CPU
 VARIANT = {"reference": "lssar", "chunked": "lssar", "cpu": "lssar", "sdpa": "softmax"}
+
+
 VARIANT |= {"triton": "lssar", "flex": "lssa"}
+
+
 IMPLS = [i for i in registry.IMPLS if i != "flex"]
+
+
 B, H, D = 1, 2, 16
 
 
@@ -151,6 +148,8 @@ ZERO = {  # (B, H_q, H_kv, T_q, T_k)
     "T_k = 0": (2, 4, 2, 3, 0),
     "everything 0": (0, 0, 0, 0, 0),
 }
+
+
 SPANS = {
     "plain": {},
     "causal": {"is_causal": True},
@@ -235,15 +234,6 @@ def test_a_window_that_is_no_pair_of_counts_names_the_argument(bad):
         lssar.attention(q, q, q, window=bad)
 
 
-def test_the_model_takes_a_window_of_any_size():
-    model = GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, n_embd=16, attn="lssar")).eval()
-    idx = torch.randint(0, 32, (1, 10))
-    with torch.no_grad():
-        full = model(idx)[0]
-        assert err(model(idx, window=sys.maxsize)[0], full) == 0
-        assert err(model(idx, window=2**80, sink_tokens=2**70)[0], full) == 0
-
-
 # ----------------------------------------------------- hints that lead to the right answer
 
 
@@ -257,7 +247,11 @@ def _follow(hint: str, mask):
 
 
 QKV = [torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(5)) for _ in range(3)]
+
+
 ALLOW = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(6)) > 0.3  # True = attend
+
+
 MASKS = {
     "float 0/1 (1 = attend)": ALLOW.float(),
     "int 0/1": ALLOW.long(),
@@ -421,50 +415,6 @@ def test_cuda_cu_seqlens_with_cpu_queries_is_refused():
                                           is_causal=True)) < 1e-5  # fmt: skip
 
 
-def test_orbits_threads_must_be_positive(capsys):
-    for bad in ("-1", "0"):
-        assert cli_main(["orbits", "--threads", bad, "--preset", "quick"]) == 2
-        out = capsys.readouterr().err
-        assert out == f"error: --threads must be an integer >= 1, got {bad}\n"
-
-
-# ------------------------------------------------------------------- numeric options (RoPE)
-
-
-def _rope_model(**kw) -> GPT:
-    return GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, n_embd=16, **kw))
-
-
-@pytest.mark.parametrize(
-    "kind,factor",
-    [("linear", 1e-45), ("ntk", 1e300), ("dynamic-ntk", 1e300), ("ntk", 1e-300), ("yarn", 1e-45)],
-)
-def test_a_rope_factor_is_checked_by_what_it_computes(kind, factor):
-    """``--rope-factor 1e-45`` gave NaN losses (frequencies / 1e-45 = inf); ``--rope-scaling ntk
-    --rope-factor 1e300`` passed the flag check and ended in an OverflowError traceback."""
-    model = _rope_model()
-    with pytest.raises(ValueError, match=f"--rope-scaling {kind} --rope-factor .* not finite"):
-        model.switch(rope_scaling=kind, rope_factor=factor, train_len=16)
-    assert model.rope_scaling is None  # refused before anything changed
-
-
-@pytest.mark.parametrize("kind", ["linear", "ntk", "dynamic-ntk", "yarn"])
-@pytest.mark.parametrize("factor", [None, 0.5, 16.0, 1e6])
-def test_usable_rope_factors_stay_finite(kind, factor):
-    model = _rope_model().eval()
-    model.switch(rope_scaling=kind, rope_factor=factor, train_len=8)
-    with torch.no_grad():
-        assert model(torch.randint(0, 32, (1, 64)))[0].isfinite().all()
-
-
-@pytest.mark.parametrize("base", [1e-300, 1e-60, float("inf"), 0.0, -1.0])
-def test_a_rope_base_is_checked_by_what_it_computes(base):
-    with pytest.raises(ValueError, match="rope_base"):
-        _rope_model(rope_base=base)
-    with pytest.raises(ValueError, match="rope_base"):  # the attention module on its own
-        lssar.nn.Attention(16, 2, pos="rope", rope_base=base)
-
-
 @pytest.mark.parametrize("p", [2.0**-126, 1e-10, 1e3, 1e8, 2.0**28])
 @pytest.mark.parametrize("impl", ["reference", "chunked", "cpu", "triton"])
 def test_every_allowed_p_is_computed_right(impl, p):
@@ -496,131 +446,3 @@ def test_a_scale_past_float32_is_refused():
     with pytest.raises(ValueError, match="scale=1e.300 is not a finite float32"):
         lssar.attention(q, q, q, variant="softmax", scale=1e300)
     assert lssar.attention(q, q, q, variant="softmax", scale=1e30).shape == q.shape
-
-
-# ---------------------------------------------------------------- the pool of study units
-
-
-def _unit(tag: str, seconds: float, out: str) -> str:
-    """A unit that sleeps, then leaves a file (picklable: module level)."""
-    time.sleep(seconds)
-    Path(out, tag).write_text(tag)
-    return tag
-
-
-def _refused(tag: str, seconds: float, out: str) -> str:
-    raise ValueError(f"{tag}: runs/x was started with a different config")
-
-
-def _killed(tag: str, seconds: float, out: str) -> str:
-    from tqdm import tqdm
-
-    tqdm(total=1, disable=True)  # as a training loop does: tqdm's lock holds semaphores
-    os.kill(os.getpid(), signal.SIGKILL)
-    return tag
-
-
-def _check(tag: str, seconds: float, out: str) -> None:
-    if tag == "changed":
-        raise ValueError(f"runs/{tag} was started with a different config")
-
-
-def test_every_unit_is_checked_before_any_starts(tmp_path):
-    """A rerun with a changed config was refused unit by unit while the pool went on starting
-    the others, one of which trained with the new config."""
-    units = [(t, 0.0, str(tmp_path)) for t in ("a", "b", "changed", "c")]
-    for jobs in (1, 2):
-        with pytest.raises(ValueError, match="runs/changed was started with a different config"):
-            run_units(_unit, units, jobs, check=_check)
-        assert list(tmp_path.iterdir()) == []
-
-
-def test_the_first_failure_stops_the_pool(tmp_path):
-    units = [("slow", 30.0, str(tmp_path)), ("bad", 0.0, str(tmp_path))]
-    units += [(t, 0.0, str(tmp_path)) for t in ("never", "again")]
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match="bad: runs/x was started") as e:
-        run_units(_dispatch, units, 2)
-    assert time.monotonic() - t0 < 30  # the slow unit was stopped, not waited for
-    assert list(tmp_path.iterdir()) == []  # and nothing after the failure started
-    assert "Traceback" in str(e.value.__cause__) and "_refused" in str(e.value.__cause__)
-
-
-def _dispatch(tag: str, seconds: float, out: str) -> str:
-    return {"bad": _refused, "dies": _killed}.get(tag, _unit)(tag, seconds, out)
-
-
-def pool_with_a_killed_worker(out: str) -> None:
-    """Run two units, one of which is killed; print the error (a subprocess's main)."""
-    units = [("ok", 0.0, out), ("dies", 0.0, out)]
-    names = ["the run of softmax (seed 0)", "the run of lssar p=15 (seed 1)"]
-    try:
-        run_units(_dispatch, units, 2, names=names)
-    except RunFailure as e:
-        print(f"RunFailure: {e}")
-
-
-def test_a_killed_worker_names_its_run_and_says_a_rerun_resumes(tmp_path):
-    """It was a bare BrokenProcessPool traceback and a leaked-semaphore warning (printed by
-    the resource tracker as the process exits: so the pool runs in a process of its own)."""
-    main = "from tests.ops.test_reliability import pool_with_a_killed_worker as main"
-    code = f"{main}; main({str(tmp_path)!r})"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == (
-        "RunFailure: the worker running the run of lssar p=15 (seed 1) was killed by signal 9 "
-        "(SIGKILL) (killed by hand or for memory?); rerun the same command to resume: finished "
-        "runs are reused and unfinished ones continue from their last checkpoint\n"
-    )
-    assert proc.stderr == "", proc.stderr  # no traceback, no leaked-semaphore warning
-
-
-def test_a_refused_reproduce_unit_stops_every_unit_before_training(tmp_path):
-    """The preflight of ``lssar reproduce``: a run of the preset that exists with another
-    config refuses the whole command before any unit trains (here: before any starts)."""
-    from lssar.studies.lm import study as lm
-    from lssar.train.checkpoint import write_json
-
-    runs, preset = tmp_path / "runs", lm.PRESETS["quick"]
-    name = lambda a, s: lm._run_name(preset.train_preset, lm.ARMS[a], s)  # noqa: E731
-    seed, arms = lm.units_by_run(preset.arms, preset.seeds, name)[-1]  # the last unit
-    cfg = lm._unit_config(preset, arms, seed, runs, ["--max_steps=3"])
-    (runs / cfg.run_name).mkdir(parents=True)
-    stored = {**dataclasses.asdict(cfg), "lr": 0.5}
-    write_json(runs / cfg.run_name / "config.json", {"train": stored})
-    with pytest.raises(ValueError, match=r"lr: 0\.5 \(run\) != "):
-        lm.run_study("quick", runs, tmp_path / "report", False, ["--max_steps=3"], jobs=2)
-    assert sorted(p.name for p in runs.iterdir()) == [cfg.run_name]  # nothing else started
-
-
-@pytest.mark.parametrize("temperature", [1e-45, 1e-30])
-def test_a_tiny_temperature_samples_the_greedy_token(temperature):
-    """``temperature=1e-45`` scaled the logits to inf (softmax NaN, a multinomial traceback);
-    near 0 it is greedy."""
-    model = _rope_model().eval()
-    idx = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(9))
-    greedy = model.generate(idx, 6, temperature=0)
-    gen = torch.Generator().manual_seed(0)
-    got = model.generate(idx, 6, temperature=temperature, generator=gen)
-    assert got.shape == (2, 11) and torch.equal(got, greedy)
-
-
-def test_a_refused_fine_tuning_unit_stops_every_unit_before_any_starts(tmp_path, monkeypatch):
-    """The same preflight for ``lssar convert-study``: a fine-tuning run of the preset that
-    exists with another config refuses the whole study before any unit runs."""
-    from lssar.studies.convert import study as cs
-    from lssar.train.checkpoint import write_json
-
-    preset, runs, started = cs.PRESETS["quick"], tmp_path / "runs", []
-    monkeypatch.setattr(cs, "run_unit", lambda *unit, **kw: started.append(unit))
-    study = cs.ConvertStudy(preset, runs, tmp_path / "report", progress=False)
-    arm, seed = study.units()[-1]  # the last unit
-    cfg = cs.finetune_config(preset, arm, seed, runs)
-    (runs / cfg.name).mkdir(parents=True)
-    write_json(runs / cfg.name / "config.json", {**dataclasses.asdict(cfg), "lr": 0.5})
-    with pytest.raises(ValueError, match=r"was started with a different config \(lr: 0\.5 \(run\)"):
-        study.run()
-    assert started == []
