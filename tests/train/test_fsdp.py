@@ -25,7 +25,7 @@ from lssar.cli import main
 from lssar.train import fsdp, train
 from lssar.train.config import load_config
 from lssar.train.runs import load_run
-from tests.train.test_train import TINY, TRAIN_ON_2_RANKS, log_of
+from tests.train.tiny_runs import TINY, TRAIN_ON_2_RANKS, log_of
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -21,7 +21,7 @@ from lssar.train import train
 from lssar.train.checkpoint import load_checkpoint, read_log
 from lssar.train.loop import DivergedError
 from tests.train.test_runio import lock_held_elsewhere
-from tests.train.test_train import TINY, log_of, tiny
+from tests.train.tiny_runs import TINY, log_of, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
