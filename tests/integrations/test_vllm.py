@@ -3,8 +3,9 @@
 These run in the serving environment only (vLLM pins its own torch and transformers, so it
 lives in a venv of its own): ``make serve-env`` builds it, ``make test-serve`` runs this file
 with its python. Elsewhere the module is skipped. Each vLLM engine runs in its own process
-(tests/vllm_engine.py); the reference is transformers' Llama with the same lssar attention
-(``attn_implementation="lssar"``, :mod:`lssar.integrations.hf`), greedy, one request at a time.
+(tests/integrations/vllm_engine.py); the reference is transformers' Llama with the same lssar
+attention (``attn_implementation="lssar"``, :mod:`lssar.integrations.hf`), greedy, one request at
+a time.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(tmp_path: Path, **spec: Any) -> dict[str, Any]:
-    """Run tests/vllm_engine.py on ``spec`` in a fresh process; its result."""
+    """Run tests/integrations/vllm_engine.py on ``spec`` in a fresh process; its result."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec_path, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))

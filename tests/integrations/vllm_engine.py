@@ -1,7 +1,9 @@
-"""One vLLM engine run for tests/test_vllm.py, in its own process (one engine per process).
+"""One vLLM engine run for tests/integrations/test_vllm.py, in its own process (one engine per
+process).
 
-``python tests/vllm_engine.py SPEC.json OUT.json``: SPEC holds ``model`` (a directory),
-``backend``, ``hf_overrides``, ``block_size``, ``prompts`` (token id lists), ``max_tokens`` and
+``python tests/integrations/vllm_engine.py SPEC.json OUT.json``: SPEC holds ``model`` (a
+directory), ``backend``, ``hf_overrides``, ``block_size``, ``prompts`` (token id lists),
+``max_tokens`` and
 ``too_long`` (a prompt the engine must refuse, or null). OUT gets, per prompt, the greedy
 tokens, their log-probabilities and the prompt's (from its second token), the attention impl
 classes of the model's layers, and the error the too-long prompt raised.

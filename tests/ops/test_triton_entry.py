@@ -67,7 +67,7 @@ def test_tf32_follows_torch_flag(monkeypatch, dtype):
     launch, forward and backward, gets ``IEEE=False`` (Triton's default for fp32 dots: tf32);
     a Triton default other than tf32 keeps IEEE. Half inputs: never IEEE. (TF32 changes the
     numerics on a GPU; the interpreter multiplies in fp32 either way. The compiled kernels'
-    tensor-core instructions are checked in tests/test_triton_compile.py.)"""
+    tensor-core instructions are checked in tests/ops/test_triton_compile.py.)"""
     from triton import knobs
 
     variant, opts = _variant("lssar", 15.0)
