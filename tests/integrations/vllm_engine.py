@@ -3,10 +3,9 @@ process).
 
 ``python tests/integrations/vllm_engine.py SPEC.json OUT.json``: SPEC holds ``model`` (a
 directory), ``backend``, ``hf_overrides``, ``block_size``, ``prompts`` (token id lists),
-``max_tokens`` and
-``too_long`` (a prompt the engine must refuse, or null). OUT gets, per prompt, the greedy
-tokens, their log-probabilities and the prompt's (from its second token), the attention impl
-classes of the model's layers, and the error the too-long prompt raised.
+``max_tokens`` and ``too_long`` (a prompt the engine must refuse, or null). OUT gets, per prompt,
+the greedy tokens, their log-probabilities and the prompt's (from its second token), the attention
+impl classes of the model's layers, and the error the too-long prompt raised.
 """
 
 from __future__ import annotations
