@@ -295,7 +295,21 @@ def test_lssar_eval_on_a_model_directory_is_cached(tiny_dir, corpus, tmp_path, c
 def test_the_quick_conversion_study_end_to_end(tmp_path):
     from lssar.studies.convert.study import run_study
 
+    # seed 0 first, as one machine's share; its units are carried in the report directory
+    first = run_study(
+        "quick", seeds=[0], runs=tmp_path / "runs", out=tmp_path / "report", progress=False
+    )
+    carried = json.loads((first / "units" / "lssar-p15-s0.json").read_text())["results"]
+    claims = json.loads((first / "results.json").read_text())["claims"]
+    assert claims and all(c["note"] == "one seed: no test" for c in claims)
+    # another machine (no runs) continues with the same report directory: seed 0 is reused
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")
     out = run_study("quick", runs=tmp_path / "runs", out=tmp_path / "report", progress=False)
+    assert not list((tmp_path / "runs" / "convert-quick").glob("*-s0"))  # not trained again
+    again = json.loads((out / "results.json").read_text())["results"]
+    assert [r for r in again if r["arm"] == "lssar p=15" and r["config"]["seed"] == 0] == carried
     report = (out / "REPORT.md").read_text()
     results = json.loads((out / "results.json").read_text())
     labels = {(r["arm"], r["window"], r["rope_scaling"], r["long"]) for r in results["results"]}

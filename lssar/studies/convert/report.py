@@ -10,7 +10,6 @@ it) and PNG figures.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from lssar.studies.common import conditions, provenance_head, write_report
 from lssar.studies.convert.presets import LSSA, LSSAR15, ORIGINAL, SOFTMAX, Preset
 from lssar.studies.labels import group, label_of
 from lssar.studies.stats import Claim, Interval, judge_claims, mean_ci
-from lssar.train.checkpoint import read_json
 
 SM, LR, LA = SOFTMAX.label, LSSAR15.label, LSSA.label
 MATCH_MARGIN = 0.02  # "matches at L": |loss ratio - 1| < 2%, as the LM study's equivalence claim
@@ -150,9 +148,8 @@ def diff_table(g: dict[str, list[dict]], pairs: list[tuple[str, str]], lengths, 
     return out
 
 
-def write(p: Preset, results: list[dict[str, Any]], out: Path | None = None) -> Path:
-    """Write the report of ``results`` to ``out`` (default ``reports/convert-<preset>-<date>``)."""
-    out = out or Path("reports") / f"convert-{p.name}-{datetime.date.today().isoformat()}"
+def write(p: Preset, results: list[dict[str, Any]], out: Path) -> Path:
+    """Write the report of ``results`` to ``out``."""
     g = group(results)
     L = p.seq_len
     lengths = [m * L for m in p.multiples]
@@ -315,9 +312,8 @@ def timing(results: list[dict[str, Any]]) -> list[str]:
     for r in results:
         if not _plain(r) or r["arm"] == ORIGINAL:
             continue
-        d = read_json(Path(r["run"]) / "DONE")
-        if d and "seconds" in d:
-            secs.setdefault(label_of(r), []).append(d["seconds"])
+        if (s := r.get("train_seconds")) is not None:
+            secs.setdefault(label_of(r), []).append(s)
     if not secs:
         return []
     parts = [f"{lab} {sum(v) / len(v) / 60:.0f} min" for lab, v in secs.items()]

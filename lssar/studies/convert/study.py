@@ -5,21 +5,33 @@ A unit is one (arm, seed): its fine-tuning run (``lssar finetune``'s run directo
 and its evaluations (each a JSON file in the run's ``eval/``, reused while its settings, the
 model's weights and the evaluation code are unchanged). The study is resumable at every level:
 rerun the same command after a kill and it continues where it stopped.
+
+A finished unit's results are also kept in the report directory (``units/<arm>-s<seed>.json``,
+with the unit's settings as its key): the report directory is small enough to commit, so a study
+longer than one machine's life continues on another (``--arms``/``--seeds`` run a part of it;
+the same ``--out`` later reuses every carried unit whose settings match, without its runs). Each
+result keeps the environment it was made in (commit, dirty flag), which the report's first line
+counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 from pathlib import Path
 from typing import Any
 
 from lssar import data
 from lssar.integrations import finetune as ft
 from lssar.integrations.pretrained import resolve_source, save_model
+from lssar.runio import atomic_write
 from lssar.studies.common import Study, select_arms, study_args, study_parser
 from lssar.studies.convert.presets import ARMS, ORIGINAL, PRESETS, TINY, Preset
 from lssar.studies.lm.evaluate_hf import evaluate_model
-from lssar.train.checkpoint import CONFIG, check_config, read_json, read_log
+from lssar.train.checkpoint import CONFIG, DONE, check_config, read_json, read_log
+
+UNITS = "units"  # the report directory's carried unit results
 
 
 def tiny_llama(out: Path, corpus: str = "shakespeare", seed: int = 0) -> Path:
@@ -159,9 +171,31 @@ def _result(
         "train_len": p.seq_len,
         "run": str(run_dir),
         "curve": curve,
+        "train_seconds": (read_json(run_dir / DONE) or {}).get("seconds"),
         "env": env,
         **{k: r[k] for k in _KEPT if k in r},
     }
+
+
+def unit_key(p: Preset, arm: str, seed: int) -> dict[str, Any]:
+    """What a unit's results depend on, without this machine's paths: the fine-tuning recipe,
+    the arm's rule and seed, and every evaluation setting (a carried unit is reused only while
+    its key matches)."""
+    spec = ARMS[arm].attention
+    evals = ("multiples", "documents", "long_multiples", "long_documents", "copy_multiples",
+             "copy_probes", "sink_tokens", "dtype")  # fmt: skip
+    return json.loads(json.dumps({
+        "recipe": p.recipe(),
+        "attention": None if spec is None else spec.label,
+        "seed": seed,
+        "rules": unit_rules(p, arm),
+        "eval": {k: getattr(p, k) for k in evals},
+    }))  # fmt: skip
+
+
+def unit_file(arm: str, seed: int) -> str:
+    spec = ARMS[arm].attention
+    return f"{ORIGINAL if spec is None else spec.slug()}-s{seed}.json"
 
 
 @dataclasses.dataclass
@@ -172,21 +206,37 @@ class ConvertStudy(Study):
 
     preset: Preset
     runs: Path
-    out: Path | None = None
+    out: Path
     progress: bool = True  # inside a unit (one unit at a time only)
 
     def units(self) -> list[tuple[Any, ...]]:
         p = self.preset
         return [(a, s) for s in p.seeds for a in p.arms if a != ORIGINAL or s == p.seeds[0]]
 
+    def carried(self, arm: str, seed: int) -> list[dict[str, Any]] | None:
+        """The unit's results carried in the report directory, if its key still matches."""
+        path = self.out / UNITS / unit_file(arm, seed)
+        try:
+            prev = read_json(path)
+        except ValueError:  # a damaged file: the unit runs again
+            return None
+        if prev and prev.get("key") == unit_key(self.preset, arm, seed):
+            return prev["results"]
+        return None
+
     def run_unit(self, arm: str, seed: int) -> list[dict[str, Any]]:
-        return run_unit(self.preset, arm, seed, self.runs, self.progress)
+        if (done := self.carried(arm, seed)) is not None:
+            return done
+        results = run_unit(self.preset, arm, seed, self.runs, self.progress)
+        doc = {"key": unit_key(self.preset, arm, seed), "results": results}
+        atomic_write(self.out / UNITS / unit_file(arm, seed), json.dumps(doc))
+        return results
 
     def check_unit(self, arm: str, seed: int) -> None:
         """Refuse a unit whose fine-tuning run exists with another config, before any unit
         starts (a pool that found it while running would have fine-tuned other arms with the
         new config meanwhile)."""
-        if arm == ORIGINAL:  # the pretrained model as it is: no run of its own
+        if arm == ORIGINAL or self.carried(arm, seed) is not None:  # no run of its own to check
             return
         cfg = finetune_config(self.preset, arm, seed, self.runs)
         run_dir = Path(cfg.out_dir) / cfg.name  # as ft.finetune finds it
@@ -200,6 +250,10 @@ class ConvertStudy(Study):
         from lssar.studies.convert.report import write
 
         return write(self.preset, [r for rs in results for r in rs], self.out)
+
+
+def default_out(p: Preset) -> Path:
+    return Path("reports") / f"convert-{p.name}-{datetime.date.today().isoformat()}"
 
 
 def run_study(
@@ -221,10 +275,11 @@ def run_study(
     if seeds is not None:
         p = dataclasses.replace(p, seeds=tuple(seeds))
     runs = Path(runs) / f"convert-{p.name}"
-    # the model as an HF directory and its dataset, made once before any worker needs them
-    model_dir = ft.source_dir(resolve_source(_model_source(p, runs)), runs)
-    ft.dataset_dir(finetune_config(p, p.arms[0], p.seeds[0], runs), model_dir)
-    study = ConvertStudy(p, runs, Path(out) if out else None, progress and jobs == 1)
+    study = ConvertStudy(p, runs, Path(out) if out else default_out(p), progress and jobs == 1)
+    if any(study.carried(*u) is None for u in study.units()):
+        # the model as an HF directory and its dataset, made once before any worker needs them
+        model_dir = ft.source_dir(resolve_source(_model_source(p, runs)), runs)
+        ft.dataset_dir(finetune_config(p, p.arms[0], p.seeds[0], runs), model_dir)
     return study.run(jobs).report
 
 
