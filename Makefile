@@ -68,7 +68,7 @@ $(SERVE_STAMP): pyproject.toml
 serve-env: $(SERVE_STAMP)
 
 test-serve: $(SERVE_STAMP)
-	$(SERVE_BIN)/python -m pytest -q tests/test_vllm.py
+	$(SERVE_BIN)/python -m pytest -q tests/integrations/test_vllm.py
 
 clean:
 	rm -rf $(VENV) $(SERVE_VENV)

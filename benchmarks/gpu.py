@@ -8,7 +8,7 @@ Run on a CUDA machine from the repository root:
     python benchmarks/gpu.py --dry-run            # the plan and its time estimate, no GPU needed
     python benchmarks/gpu.py --lengths 4096 --head-dims 128 --skip-tests --no-decode
 
-First it runs the GPU-marked kernel tests (``pytest -m gpu tests/test_triton_kernels.py``) and
+First it runs the GPU-marked kernel tests (``pytest -m gpu tests/ops/test_triton_kernels.py``) and
 records their summary. Prefill: bf16, H=16 heads, causal, B*T ~= 16K tokens, every (head dim,
 length, mode) and implementation: forward and forward+backward times from
 ``triton.testing.do_bench`` (median ms), TFLOP/s, peak extra memory, and for the Triton rows the
@@ -79,9 +79,9 @@ def _env(torch, triton) -> dict:
 
 
 def run_gpu_tests(out: Path) -> int:
-    """``pytest -m gpu tests/test_triton_kernels.py``; its summary goes to ``gpu-tests.md``."""
+    """``pytest -m gpu tests/ops/test_triton_kernels.py``; its summary goes to ``gpu-tests.md``."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider"]
-    cmd.append("tests/test_triton_kernels.py")
+    cmd.append("tests/ops/test_triton_kernels.py")
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     lines = (proc.stdout + proc.stderr).strip().splitlines()

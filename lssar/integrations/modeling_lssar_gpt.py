@@ -10,7 +10,7 @@ or no positions), with the same parameter names, and an attention layer that dis
 under the variant's name), else the materialised reference below, which computes the variant
 from its definition stored in ``config.lssar_variant`` (docs/method.md sections 3-4: a normaliser
 ``phi`` with an optional l1 normalisation and row scale, then re-weighting with power ``p``).
-Its outputs equal lssar's GPT to float rounding (``tests/test_hf.py``).
+Its outputs equal lssar's GPT to float rounding (``tests/integrations/test_hf_gpt.py``).
 
 Not here (lssar's own ``lssar.integrations.hf_gpt`` has them): packed sequences, sliding windows,
 switching the attention rule after training.

@@ -7,8 +7,9 @@ at the end of its bullet or paragraph::
     LSSAR − it = +0.244 ± 0.054 <!-- check reports/cpu-baselines-2026-12-03:
         loss "lssar p=15" - "softmax + alibi" @16 = +0.244 ± 0.054; sig -->
 
-``python -m lssar.studies.findings docs/findings.md README.md`` (and ``tests/test_findings.py``)
-recomputes each marker's quantity from the report's ``results.json`` with the reports' own
+``python -m lssar.studies.findings docs/findings.md README.md`` (and
+``tests/studies/test_findings.py``) recomputes each marker's quantity from the report's
+``results.json`` with the reports' own
 statistics (means and 95% t-intervals over seeds, differences paired by seed), and fails when
 
 - the recomputed value, rounded as the quoted text is, differs from it;

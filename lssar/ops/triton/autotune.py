@@ -36,7 +36,7 @@ def _configs(shapes: list[tuple[int, int, int, int]], **flags: bool) -> list[tri
 
 
 # Every config is checked ahead of time by ``python -m lssar.ops.triton.devtools.compile_check``
-# (sm_80 and sm_90: registers, spills, shared memory; tests/test_triton_compile.py); the limits
+# (sm_80 and sm_90: registers, spills, shared memory; tests/ops/test_triton_compile.py); the limits
 # below are set from its measurements, a little inside the first spilling tile of each kernel.
 SHARED_BUDGET = 163 * 1024  # sm_80's per-block maximum, the smallest of the supported GPUs
 # Live fp32 words per thread (_live_words) above which ptxas spilled, per kernel. Examples:
