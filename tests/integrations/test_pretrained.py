@@ -298,6 +298,7 @@ def test_the_quick_conversion_study_end_to_end(tmp_path):
     # seed 0 first, as two machines' shares (a subset of arms too: softmax's long evaluations
     # drop out with it); its units are carried in the report directory
     kw = dict(seeds=[0], runs=tmp_path / "runs", out=tmp_path / "report", progress=False)
+    run_study("quick", arms=["original"], **kw)  # no fine-tuned arm: the data still prepared
     run_study("quick", arms=["lssar p=15"], **kw)
     first = run_study("quick", **kw)
     carried = json.loads((first / "units" / "lssar-p15-s0.json").read_text())["results"]

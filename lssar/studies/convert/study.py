@@ -27,7 +27,7 @@ from lssar.integrations import finetune as ft
 from lssar.integrations.pretrained import resolve_source, save_model
 from lssar.runio import atomic_write
 from lssar.studies.common import Study, select_arms, study_args, study_parser
-from lssar.studies.convert.presets import ARMS, ORIGINAL, PRESETS, TINY, Preset
+from lssar.studies.convert.presets import ARMS, ORIGINAL, PRESETS, SOFTMAX, TINY, Preset
 from lssar.studies.lm.evaluate_hf import evaluate_model
 from lssar.train.checkpoint import CONFIG, DONE, check_config, read_json, read_log
 
@@ -126,7 +126,7 @@ def run_unit(
     if arm == ORIGINAL:
         model_dir = ft.source_dir(src, runs)
         run_dir, curve, seed = runs / f"{p.name}-original", None, 0
-        ds = ft.dataset_dir(finetune_config(p, p.arms[0], 0, runs), model_dir)
+        ds = ft.dataset_dir(finetune_config(p, SOFTMAX.label, 0, runs), model_dir)
     else:
         run_dir = ft.finetune(finetune_config(p, arm, seed, runs), progress=progress)
         model_dir = run_dir / "model"
@@ -282,7 +282,7 @@ def run_study(
     if any(study.carried(*u) is None for u in study.units()):
         # the model as an HF directory and its dataset, made once before any worker needs them
         model_dir = ft.source_dir(resolve_source(_model_source(p, runs)), runs)
-        ft.dataset_dir(finetune_config(p, p.arms[0], p.seeds[0], runs), model_dir)
+        ft.dataset_dir(finetune_config(p, SOFTMAX.label, p.seeds[0], runs), model_dir)
     return study.run(jobs).report
 
 
