@@ -164,7 +164,8 @@ def write(p: Preset, results: list[dict[str, Any]], out: Path) -> Path:
         "",
         provenance_head(envs, env) + " " + conditions(envs),
         "",
-        f"{p.summary}. Model: {src.get('note', p.model)}. Conversion length L = {L}; every "
+        f"{p.summary}. Model: {src.get('original') or src.get('note', p.model)}. Conversion "
+        f"length L = {L}; every "
         f"trained arm fine-tuned from the same weights for {p.steps} steps of {p.batch_size} x "
         f"{p.grad_accum} packed windows of L tokens ({p.steps * p.batch_size * p.grad_accum * L:,}"
         f" tokens), warmup {p.warmup} + cosine, peak lr {p.lr:g}, trainable: {p.trainable}; "
@@ -190,6 +191,16 @@ def write(p: Preset, results: list[dict[str, Any]], out: Path) -> Path:
         ),
         "",
         *loss_table(g, lengths, p, "loss"),
+        *(
+            [
+                "",
+                "YaRN's factor is the evaluated length over the model's pretrained positions, "
+                "and 1 (no scaling) up to them: at these lengths its rows repeat softmax's; it "
+                "acts past them (below).",
+            ]
+            if _yarn(SM) in g
+            else []
+        ),
         "",
         "Loss of the positions in (T/2, T] only (what the tokens at each length add):",
         "",
