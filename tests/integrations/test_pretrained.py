@@ -302,6 +302,10 @@ def test_the_quick_conversion_study_end_to_end(tmp_path):
     run_study("quick", arms=["lssar p=15"], **kw)
     first = run_study("quick", **kw)
     carried = json.loads((first / "units" / "lssar-p15-s0.json").read_text())["results"]
+    assert (
+        "**Part of the study**: arms softmax, lssar p=15, original of"
+        in (first / "REPORT.md").read_text()
+    )
     claims = json.loads((first / "results.json").read_text())["claims"]
     assert claims and all(c["note"] == "one seed: no test" for c in claims)
     # another machine (no runs) continues with the same report directory: seed 0 is reused
@@ -323,7 +327,7 @@ def test_the_quick_conversion_study_end_to_end(tmp_path):
     assert all(c["verdict"] for c in results["claims"]) and len(results["claims"]) >= 6
     sections = ("## Recovery", "## Loss by evaluation length", "## Past the model's own",
                 "## Does the model use context beyond L?", "## The declared claims")  # fmt: skip
-    assert all(s in report for s in sections)
+    assert all(s in report for s in sections) and "Part of the study" not in report
     assert (out / "recovery.png").stat().st_size > 0
     # the findings checker reads the report like an LM report
     from lssar.studies.findings import quantity

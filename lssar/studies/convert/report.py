@@ -15,7 +15,7 @@ from typing import Any
 
 from lssar.runio import environment
 from lssar.studies.common import conditions, provenance_head, write_report
-from lssar.studies.convert.presets import LSSA, LSSAR15, ORIGINAL, SOFTMAX, Preset
+from lssar.studies.convert.presets import LSSA, LSSAR15, ORIGINAL, PRESETS, SOFTMAX, Preset
 from lssar.studies.labels import group, label_of
 from lssar.studies.stats import Claim, Interval, judge_claims, mean_ci
 
@@ -164,6 +164,7 @@ def write(p: Preset, results: list[dict[str, Any]], out: Path) -> Path:
         "",
         provenance_head(envs, env) + " " + conditions(envs),
         "",
+        *_part(p),
         f"{p.summary}. Model: {src.get('original') or src.get('note', p.model)}. Conversion "
         f"length L = {L}; every "
         f"trained arm fine-tuned from the same weights for {p.steps} steps of {p.batch_size} x "
@@ -257,6 +258,20 @@ def write(p: Preset, results: list[dict[str, Any]], out: Path) -> Path:
     write_report(out, lines, data)
     plot(g, p, out)
     return out
+
+
+def _part(p: Preset) -> list[str]:
+    """A paragraph saying which of its preset's arms and seeds a partial report holds."""
+    full = PRESETS.get(p.name)
+    if full is None or (set(p.arms) >= set(full.arms) and set(p.seeds) >= set(full.seeds)):
+        return []
+    arms = ", ".join(a for a in full.arms if a in p.arms)
+    return [
+        f"**Part of the study**: arms {arms} of {', '.join(full.arms)}; seeds "
+        f"{', '.join(map(str, p.seeds))} of {', '.join(map(str, full.seeds))}. The rest runs "
+        "into the same directory later (its finished units are carried in `units/`).",
+        "",
+    ]
 
 
 def _plain(r: dict[str, Any]) -> bool:
