@@ -366,7 +366,8 @@ def plot(g: dict[str, list[dict]], p: Preset, out: Path) -> None:
         ax.plot(steps, mean, label=lab, **style(lab))
     ax.set_xlabel("fine-tuning step")
     ax.set_ylabel(f"held-out loss at L = {p.seq_len}")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    if ax.lines:  # a part of the study without a fine-tuned arm has no curve
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "recovery.png", dpi=120)
     plt.close(fig)
@@ -384,7 +385,8 @@ def plot(g: dict[str, list[dict]], p: Preset, out: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("position in the document (tokens)")
     ax.set_ylabel("next-token loss")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    if ax.lines:  # a part of the study without a fine-tuned arm has no curve
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "loss_by_position.png", dpi=120)
     plt.close(fig)
