@@ -226,7 +226,7 @@ def child_path(parent: str | Path, name: str, what: str) -> Path:
     return Path(parent) / name
 
 
-def _git(*args: str) -> str | None:  # in the package's directory
+def _git(*args: str, strip: bool = True) -> str | None:  # in the package's directory
     try:
         r = subprocess.run(
             ["git", *args],
@@ -237,7 +237,9 @@ def _git(*args: str) -> str | None:  # in the package's directory
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return r.stdout.strip() if r.returncode == 0 else None
+    if r.returncode != 0:
+        return None
+    return r.stdout.strip() if strip else r.stdout
 
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -277,10 +279,11 @@ def git_dirty() -> bool | None:
     checkout."""
     if not in_checkout():
         return None
-    status = _git("status", "--porcelain")
+    # unstripped: a porcelain line is "XY path", and X may be a space
+    status = _git("status", "--porcelain", strip=False)
     if status is None:
         return None
-    for line in status.splitlines():
+    for line in filter(None, status.splitlines()):
         path = line[3:].strip('"')
         if path.startswith(OUTPUT_DIRS):
             continue

@@ -396,12 +396,13 @@ def conditions(envs: Sequence[dict[str, Any]]) -> str:
         else:
             other.add(" ".join(argv))
     fields = lambda k: ", ".join(sorted({str(e[k]) for e in envs if e.get(k) is not None}))  # noqa: E731
+    quoted = lambda cmds: f"`{'`, `'.join(sorted(cmds))}`"  # noqa: E731
     head = (
         "Trained and evaluated by the project's own commands only"
         if not other
-        else f"**Not only the project's commands**: also `{'`, `'.join(sorted(other))}`"
+        else f"**Not only the project's commands**: also {quoted(other)}"
     )
-    cmds = f" (`{'`, `'.join(sorted(own))}`)" if own else ""
+    cmds = (f" ({quoted(own)})" if not other else f"; the project's: {quoted(own)}") if own else ""
     gap = f"; {missing} of {len(envs)} results do not record their command" if missing else ""
     return (
         f"{head}{cmds}{gap}. Torch threads per process: {fields('threads') or 'not recorded'}; "

@@ -225,9 +225,13 @@ def test_environment_records_argv_relative_to_the_project(monkeypatch):
     ],
 )
 def test_git_dirty_counts_tracked_changes_and_untracked_code(monkeypatch, status, dirty):
+    import subprocess
+
     from lssar import runio
 
-    monkeypatch.setattr(runio, "_git", lambda *a: status)
+    # git's own output, through _git: the first line's leading space must survive
+    out = subprocess.CompletedProcess([], 0 if status is not None else 128, (status or "") + "\n", "")
+    monkeypatch.setattr(runio.subprocess, "run", lambda *a, **k: out)
     monkeypatch.setattr(runio, "in_checkout", lambda: status is not None)
     assert runio.git_dirty() is dirty
 
@@ -243,4 +247,5 @@ def test_conditions_say_which_commands_threads_and_isa_made_the_results():
     assert "threads per process: 1, 2" in text and "CPU ISA: AVX2, AVX512" in text
     adhoc = conditions([own, {"argv": ["scripts/mine.py", "--x"]}, {}])
     assert adhoc.startswith("**Not only the project's commands**: also `scripts/mine.py --x`")
+    assert "; the project's: `lssar reproduce --preset cpu`" in adhoc
     assert "1 of 3 results do not record their command" in adhoc
