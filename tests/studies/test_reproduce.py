@@ -230,7 +230,9 @@ def test_git_dirty_counts_tracked_changes_and_untracked_code(monkeypatch, status
     from lssar import runio
 
     # git's own output, through _git: the first line's leading space must survive
-    out = subprocess.CompletedProcess([], 0 if status is not None else 128, (status or "") + "\n", "")
+    out = subprocess.CompletedProcess(
+        [], 0 if status is not None else 128, (status or "") + "\n", ""
+    )
     monkeypatch.setattr(runio.subprocess, "run", lambda *a, **k: out)
     monkeypatch.setattr(runio, "in_checkout", lambda: status is not None)
     assert runio.git_dirty() is dirty
