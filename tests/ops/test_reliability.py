@@ -201,14 +201,18 @@ def test_a_window_longer_than_the_sequence_is_all_of_it(impl):
     q, k, v = (torch.randn(1, 2, 12, 8, generator=g) for _ in range(3))
     variant = VARIANT[impl]
     run = lambda **kw: lssar.attention(q, k, v, impl=impl, variant=variant, **kw)  # noqa: E731
+    # flex compiles the masked calls: after other shapes were compiled in the same process
+    # (dynamic-shape code) their float order may differ from the unmasked call's (2.4e-7 seen
+    # after test_robustness); the bug this guards against moved outputs by 2.7
+    tol = 1e-6 if impl == "flex" else 0
     with torch.no_grad():
         full, causal = run(), run(is_causal=True)
         for n in HUGE:
-            assert err(run(window=(None, n)), full) == 0
-            assert err(run(window=(n, None)), full) == 0
-            assert err(run(window=(n, n)), full) == 0
-            assert err(run(window=(n, 0), is_causal=True), causal) == 0
-            assert err(run(window=(n, n), is_causal=True), causal) == 0
+            assert err(run(window=(None, n)), full) <= tol
+            assert err(run(window=(n, None)), full) <= tol
+            assert err(run(window=(n, n)), full) <= tol
+            assert err(run(window=(n, 0), is_causal=True), causal) <= tol
+            assert err(run(window=(n, n), is_causal=True), causal) <= tol
 
 
 @pytest.mark.parametrize("impl", registry.IMPLS)
