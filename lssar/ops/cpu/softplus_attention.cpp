@@ -418,12 +418,19 @@ inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
 constexpr int64_t L = Vec::size();
 constexpr int64_t NB = 2 * L;  // keys per micro-tile
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int RB = 6, NV = 4;  // 32 registers: 12 score or 24 output accumulators
+constexpr int RB = 6, NV = 4, REGS = 32;  // 12 score or 24 output accumulators
 #elif defined(CPU_CAPABILITY_AVX2)
-constexpr int RB = 6, NV = 2;  // 16 registers: 12 accumulators either way
+constexpr int RB = 6, NV = 2, REGS = 16;  // 12 accumulators either way
 #else
-constexpr int RB = 4, NV = 1;
+constexpr int RB = 4, NV = 1, REGS = 16;
 #endif
+// Query rows a qk_tile of PAR partial sums keeps in registers (2 PAR accumulators a row, beside
+// two key vectors and a broadcast): AVX-512 6 rows with two partials, 3 with four; AVX2 3 with
+// two (6 rows' 24 accumulators spilled to memory: a quarter of the AVX2 forward's time at 4K)
+template <int PAR>
+constexpr int qk_fit() {
+  return std::max(1, std::min(RB, (REGS - 3) / (2 * PAR)));
+}
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -594,6 +601,14 @@ inline void with_rows(int64_t rows, Fn&& fn) {
   }
 }
 
+// qk_tile over RBn rows in groups that fit the registers (qk_fit): each score's sums are the same
+template <int RBn, int PAR>
+inline void qk_rows(const float* q, int64_t ldq, const float* slab, int64_t D, Vec (*acc)[2]) {
+  constexpr int QR = std::min(RBn, qk_fit<PAR>());
+  qk_tile<QR, PAR>(q, ldq, slab, D, acc);
+  if constexpr (RBn > QR) qk_rows<RBn - QR, PAR>(q + QR * ldq, ldq, slab, D, acc + QR);
+}
+
 // A micro-block of a query block: RBn rows over one key tile, and what its epilogue needs
 struct Rows {
   const float* c;    // c_i per row
@@ -614,12 +629,7 @@ void score_tile(const float* q, int64_t ldq, const float* slabs, int64_t D, int6
   const Vec zero(0.f);
   for (int64_t jl = 0; jl < jend; jl += NB) {
     const float* slab = slabs + (k0 + jl) / NB * D * NB;
-    if constexpr (PAR == 2 || RBn <= 3) {
-      qk_tile<RBn, PAR>(q, ldq, slab, D, acc);
-    } else {  // four partial sums of 6 rows would not fit the registers: 3 rows at a time
-      qk_tile<3, PAR>(q, ldq, slab, D, acc);
-      qk_tile<RBn - 3, PAR>(q + 3 * ldq, ldq, slab, D, acc + 3);
-    }
+    qk_rows<RBn, PAR>(q, ldq, slab, D, acc);
     for (int r = 0; r < RBn; ++r) {
       const int64_t lim = std::min(rows.e[r] - k0, jend) - jl;  // visible lanes (causal end)
       float* out = s + r * lds + jl;
