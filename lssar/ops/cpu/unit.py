@@ -5,7 +5,10 @@ model's shape (B=32 H=4 T=256 D=32) those of q and k took 20 ms of a call whose 
 forward+backward takes 60 ms. The kernel's ``unit_forward`` / ``unit_backward`` do one pass each
 way with the same arithmetic (the row divided by its largest magnitude, then by that vector's
 norm) and the same edge cases (a zero row: zeros and a zero gradient; a row holding a NaN or an
-infinity: unit's values and a NaN gradient).
+infinity: unit's values and a NaN gradient). Where the kernel cannot be built, an eager call runs
+``unit`` itself (the results of ``impl="chunked"``, bit for bit); a compiled one, which cannot ask
+for the kernel outside the ops (torch.compile does not trace its lookup), gets the ops' torch
+arithmetic.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ def unit_cpu_op(x: Tensor) -> tuple[Tensor, Tensor]:
     ``(...)``: the second is 0 on zero rows and NaN on rows holding a NaN or an infinity."""
     from lssar.ops.cpu.build import kernel
 
-    y, inv = kernel().unit_forward(x.reshape(-1, x.shape[-1]).contiguous())
+    mod = kernel()
+    if mod is None:  # unit itself, and 1 / (||x / big|| big) as the kernel keeps it
+        big = x.abs().amax(-1)
+        norm = torch.linalg.vector_norm(x / big.unsqueeze(-1), dim=-1)
+        return unit(x), torch.where(big == 0, 0.0, 1 / norm / big)
+    y, inv = mod.unit_forward(x.reshape(-1, x.shape[-1]).contiguous())
     return y.reshape(x.shape), inv.reshape(x.shape[:-1])
 
 
@@ -36,9 +44,13 @@ def unit_cpu_backward_op(grad: Tensor, y: Tensor, inv: Tensor) -> Tensor:
     """The gradient of :func:`unit_cpu_op` (``grad``, ``y``: ``(..., D)``; ``inv``: ``(...)``)."""
     from lssar.ops.cpu.build import kernel
 
+    mod = kernel()
+    if mod is None:
+        dx = (grad - y * (y * grad).sum(-1, keepdim=True)) * inv.unsqueeze(-1)
+        return torch.where(inv.unsqueeze(-1) == 0, 0.0, dx)
     d = y.shape[-1]
     flat = [t.reshape(-1, d).contiguous() for t in (grad, y)]
-    return kernel().unit_backward(*flat, inv.reshape(-1).contiguous()).reshape(y.shape)
+    return mod.unit_backward(*flat, inv.reshape(-1).contiguous()).reshape(y.shape)
 
 
 @unit_cpu_backward_op.register_fake
@@ -71,13 +83,14 @@ unit_cpu_backward_op.register_autograd(
 
 def unit_cpu(x: Tensor) -> Tensor:
     """:func:`lssar.ops.common.unit` (``x (..., D)`` -> ``(..., D)``): on the fused kernel for
-    float32 compute on CPU (bf16 / fp16 inputs are upcast first, as ``unit`` does), else
-    ``unit`` itself."""
+    float32 compute on CPU (bf16 / fp16 inputs are upcast first, as ``unit`` does), else ``unit``
+    itself."""
     xc = x.to(compute_dtype(x.dtype))
     if xc.dtype != torch.float32 or xc.device.type != "cpu" or xc.shape[-1] == 0:
         return unit(xc)
-    from lssar.ops.cpu.build import kernel
+    if not torch.compiler.is_compiling():
+        from lssar.ops.cpu.build import kernel
 
-    if kernel() is None:
-        return unit(xc)
+        if kernel() is None:
+            return unit(xc)
     return unit_cpu_op(xc)[0]
