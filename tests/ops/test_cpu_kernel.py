@@ -133,9 +133,9 @@ def test_key_tiles_add_up_to_the_whole_row(p):
     mod = cpu_kernel.kernel()
     g = torch.Generator().manual_seed(3)
     b, h, tq, tk, d = 2, 3, 37, 53, 16
-    q = unit(torch.randn(b * h, tq, d, generator=g))
-    k = unit(torch.randn(b * h, tk, d, generator=g))
-    v = torch.randn(b * h, tk, d, generator=g)
+    q = unit(torch.randn(b, h, tq, d, generator=g))
+    k = unit(torch.randn(b, h, tk, d, generator=g))
+    v = torch.randn(b, h, tk, d, generator=g)
     mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
     args = (mask, h, True, 4.16, True, *rule, 16)
@@ -143,6 +143,109 @@ def test_key_tiles_add_up_to_the_whole_row(p):
     tiled, uf2 = mod.forward(q, k, v, *args, 16)
     assert not uf1 and not uf2
     assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [None, 15.0])
+def test_backward_row_blocks_add_up(p):
+    """The backward's blocks of query rows (causal: 32 rows, so no block computes the triangle
+    above its diagonal) give the one-block gradients, with a mask, causal, T_q != T_k, and rows
+    before the first key (T_q > T_k: zero gradient)."""
+    from lssar.ops.common import REWEIGHT_MIN_KEYS, uniform_tolerance, unit
+
+    mod = cpu_kernel.kernel()
+    g = torch.Generator().manual_seed(4)
+    b, h, d = 2, 3, 16
+    rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
+    for tq, tk in ((70, 53), (37, 90)):
+        q = unit(torch.randn(b, h, tq, d, generator=g))
+        k = unit(torch.randn(b, h, tk, d, generator=g))
+        v, grad = torch.randn(b, h, tk, d, generator=g), torch.randn(b, h, tq, d, generator=g)
+        mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
+        args = (grad, q, k, v, mask, h, True, 4.16, True, *rule)
+        *whole, uf1 = mod.backward(*args, tq)
+        for rows in (7, chunked.FUSED_CAUSAL_ROWS):
+            *blocks, uf2 = mod.backward(*args, rows)
+            assert not uf1 and not uf2
+            for a, w in zip(blocks, whole):
+                assert torch.allclose(a, w, rtol=1e-5, atol=1e-6 * w.abs().max().item())
+        if tq > tk:
+            assert (whole[0][:, :, : tq - tk] == 0).all()
+
+
+def test_kernel_reads_a_models_strided_views_in_place(monkeypatch):
+    """q, k, v as a model makes them (views of one [B, T, 3 C] projection, transposed to
+    [B, H, T, D]) and the gradient of a transposed output are read in place, not copied, and
+    give what contiguous copies of them give."""
+    b, t, h, d = 2, 70, 3, 16
+    x = torch.randn(b, t, 3 * h * d, generator=torch.Generator().manual_seed(6))
+    proj = torch.randn(h * d, 5, generator=torch.Generator().manual_seed(7))
+    kept = []
+    real = chunked._kernel_view
+    monkeypatch.setattr(chunked, "_kernel_view", lambda y: kept.append(real(y) is y) or real(y))
+
+    def run(strided, variant):
+        xx = x.clone().requires_grad_()
+        q, k, v = (y.view(b, t, h, d).transpose(1, 2) for y in xx.split(h * d, -1))
+        if not strided:
+            q, k, v = (y.contiguous() for y in (q, k, v))
+        out = lssar.attention(q, k, v, is_causal=True, variant=variant, impl="cpu")
+        (out.transpose(1, 2).reshape(b, t, h * d) @ proj).square().sum().backward()
+        return out.detach(), xx.grad
+
+    for variant in ("lssa", "lssar"):
+        kept.clear()
+        strided = run(True, variant)
+        assert len(kept) == 7 and all(kept)  # q, k, v forward; grad, q, k, v backward
+        for a, w in zip(strided, run(False, variant)):
+            assert torch.allclose(a, w, rtol=1e-5, atol=1e-6 * w.abs().max().item())
+    y = x[..., : h * d].view(b, t, h, d).transpose(1, 2)
+    assert real(y) is y
+    assert real(y.transpose(2, 3)).is_contiguous()  # columns of stride > 1: copied
+    assert real(x.as_strided((b, h, t, d), (0, 0, 1, 1))).is_contiguous()  # overlapping rows
+
+
+@pytest.mark.parametrize("isa", [*cpu_kernel.runnable_isas(), "none"])
+@pytest.mark.parametrize("d", [7, 32, 100])
+def test_fused_qk_norm_matches_unit(monkeypatch, isa, d):
+    """impl="cpu"'s QK-norm on the kernel gives common.unit's values and gradients on every row
+    kind: random, scaled by 1e-30 and 1e30, zero (zeros, zero gradient), holding a NaN or an
+    infinity (unit's values, NaN gradients); on a transposed view, with the row tails of 8 and
+    16 lanes (d = 7, 100), and on bf16 input (upcast first, as unit does); isa "none": the ops'
+    torch arithmetic where the kernel cannot be built (what a compiled call runs there)."""
+    from lssar.ops.common import unit
+    from lssar.ops.cpu.unit import unit_cpu, unit_cpu_op
+
+    mod = None if isa == "none" else cpu_kernel.load(isa=isa)
+    monkeypatch.setattr(cpu_kernel, "_loaded", {"mod": mod})
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 9, 3, d, generator=g).transpose(1, 2)  # (2, 3, 9, d), not contiguous
+    x[0, 0, 1] *= 1e-30
+    x[0, 0, 2] *= 1e30
+    x[0, 1, 3] = 0.0
+    x[1, 0, 4, 0] = float("nan")
+    x[1, 2, 5, d - 1] = float("inf")
+    dy = torch.randn(x.shape, generator=g)
+
+    def run(f, x):
+        xx = x.clone().requires_grad_()
+        direct = f is unit_cpu and isa == "none" and x.dtype == torch.float32
+        y = unit_cpu_op(xx)[0] if direct else f(xx)
+        return y.detach(), torch.autograd.grad(y, xx, dy)[0]
+
+    def close(a, b):  # per row: the same NaNs, finite entries within 2e-6 of the row's largest
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a.isnan(), b.isnan())
+        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+        scale = b.abs().amax(-1, keepdim=True)
+        assert ((a - b).abs() <= 2e-6 * scale).all()
+
+    (y, dx), (y0, dx0) = run(unit_cpu, x), run(unit, x)
+    close(y, y0)
+    close(dx, dx0)
+    assert (y[0, 1, 3] == 0).all() and (dx[0, 1, 3] == 0).all()
+    assert dx[1, 0, 4].isnan().all() and dx[1, 2, 5].isnan().all()
+    assert (y[0, 0, :3].norm(dim=-1) - 1).abs().max() < 1e-6
+    xb = x.nan_to_num(0.0, 0.0, 0.0).bfloat16()
+    close(*(run(f, xb)[0] for f in (unit_cpu, unit)))
 
 
 # The build cache: a killed or hung build never blocks a later call, and environments do not
