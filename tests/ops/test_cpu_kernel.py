@@ -139,8 +139,8 @@ def test_key_tiles_add_up_to_the_whole_row(p):
     mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
     args = (mask, h, True, 4.16, True, *rule, 16)
-    whole, uf1 = mod.forward(q, k, v, *args, tk)
-    tiled, uf2 = mod.forward(q, k, v, *args, 16)
+    whole, uf1 = mod.forward(q, k, v, *args, tk, None, None)
+    tiled, uf2 = mod.forward(q, k, v, *args, 16, None, None)
     assert not uf1 and not uf2
     assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6)
 
@@ -246,6 +246,143 @@ def test_fused_qk_norm_matches_unit(monkeypatch, isa, d):
     assert (y[0, 0, :3].norm(dim=-1) - 1).abs().max() < 1e-6
     xb = x.nan_to_num(0.0, 0.0, 0.0).bfloat16()
     close(*(run(f, xb)[0] for f in (unit_cpu, unit)))
+
+
+def _forward_pair(q, k, v, mask=None, causal=True, p=None, h=None):
+    """The fused forward of bf16 ``q, k`` (normalised in float32 as impl="cpu" does) and float32
+    ``v``, with Q K^T from the bf16 inputs (the AVX512-BF16 path) and from the float32 copies."""
+    import math
+
+    from lssar.ops.common import unit
+
+    qn, kn = unit(q.float()), unit(k.float())
+    args = (mask, causal, math.log(q.shape[-1]), True, p, 0)
+    raw = chunked._fused_call("forward", (qn, kn, v), qn, kn, *args, raw=(q, k))
+    f32 = chunked._fused_call("forward", (qn, kn, v), qn, kn, *args)
+    return raw[0], f32[0]
+
+
+def _bf16_dot_or_skip():
+    mod = cpu_kernel.kernel()
+    if mod is None or not mod.bf16_dot():
+        pytest.skip("this build or CPU has no AVX512-BF16 dot products")
+    return mod
+
+
+@pytest.mark.parametrize("p", [None, 15.0, 3.0])
+def test_bf16_dot_products_match_the_float32_kernel(p):
+    """bf16 q and k: Q K^T from the bf16 inputs (exact products, float32 sums, norms applied
+    after) gives the float32 kernel's forward, and its error against float64 stays within 2x the
+    float32 reference's own (the accuracy rule of the grids): head dims with pair and lane tails
+    (7, 33, 100), odd lengths (1, 7, 63, 111, 257), causal or not, a mask, T_q != T_k."""
+    _bf16_dot_or_skip()
+    g = torch.Generator().manual_seed(11)
+    variant = "lssa" if p is None else "lssar"
+    opts = {} if p is None else {"p": p}
+    for tq, tk, d in (
+        (1, 1, 64),
+        (7, 7, 33),
+        (63, 63, 100),
+        (111, 111, 64),
+        (257, 257, 7),
+        (37, 90, 32),
+        (300, 300, 64),
+    ):
+        q = torch.randn(2, 3, tq, d, generator=g).bfloat16()
+        k = torch.randn(2, 3, tk, d, generator=g).bfloat16()
+        v = torch.randn(2, 3, tk, d, generator=g)
+        mask = (torch.rand(2, 1, tq, tk, generator=g) > 0.3).expand(2, 3, tq, tk)
+        for causal, m in ((True, None), (False, None), (True, mask)):
+            raw, f32 = _forward_pair(q, k, v, m, causal, p)
+            kw = {"is_causal": causal, "variant": variant, "impl": "reference", **opts}
+            exact = lssar.attention(q.double(), k.double(), v.double(), m, **kw)
+            own = lssar.attention(q.float(), k.float(), v, m, **kw)  # the reference in float32
+            assert torch.allclose(raw, f32, rtol=1e-4, atol=1e-4 * f32.abs().max().item())
+            err_raw, err_own = ((x.double() - exact).abs().max().item() for x in (raw, own))
+            floor = 2**-23 * v.abs().max().item()  # one-key rows: exact in float64, 1 ulp here
+            assert err_raw <= 2 * max(err_own, floor), (tq, tk, d, causal, m is not None)
+
+
+def test_bf16_dot_products_keep_every_scale_and_fall_back_on_non_finite_rows():
+    """Rows scaled by 2^100 or 2^-120 (products beyond float32's range or below its normal one
+    unless each row is scaled first), zero rows (zero scores) and rows holding a NaN or an
+    infinity (the kernel reports them, the host reruns the float32 path: its NaNs exactly)."""
+    _bf16_dot_or_skip()
+    g = torch.Generator().manual_seed(12)
+    q, k = (torch.randn(1, 2, 70, 40, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, 2, 70, 40, generator=g)
+    q[0, 0, 3] *= 2.0**100
+    k[0, 0, 5] *= 2.0**100
+    q[0, 1, 7] *= 2.0**-120
+    k[0, 1, 9] *= 2.0**-120
+    q[0, 0, 11] = 0
+    k[0, 1, 13] = 0
+    raw, f32 = _forward_pair(q, k, v, p=15.0)
+    assert raw.isfinite().all()
+    assert torch.allclose(raw, f32, rtol=1e-4, atol=1e-4 * f32.abs().max().item())
+    k[0, 1, 20, 3] = float("nan")
+    q[0, 0, 30, 0] = float("inf")
+    raw, f32 = _forward_pair(q, k, v, p=15.0)
+    assert raw.isnan().any() and torch.equal(raw.isnan(), f32.isnan())
+    assert torch.equal(raw.nan_to_num(0.0), f32.nan_to_num(0.0))  # the same call, rerun
+
+
+def test_bf16_inputs_take_the_bf16_dot_path(monkeypatch):
+    """impl="cpu" hands the forward the bf16 query and key (expanded for GQA) where the kernel
+    has the dot products, never on float32 inputs, documents or with chunked.BF16_DOT off; the
+    results stay those of the float32 path (the output rounded to bf16)."""
+    _bf16_dot_or_skip()
+    seen = []
+    real = chunked._fused_call
+    monkeypatch.setattr(
+        chunked,
+        "_fused_call",
+        lambda *a, raw=None, **kw: seen.append(raw) or real(*a, raw=raw, **kw),
+    )
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 4, 45, 33, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 45, 33, generator=g).bfloat16() for _ in range(2))
+    kw = {"is_causal": True, "variant": "lssar", "impl": "cpu", "enable_gqa": True}
+    out = lssar.attention(q, k, v, **kw)
+    assert len(seen) == 1 and seen[0] is not None and seen[0][1].shape == (1, 4, 45, 33)
+    monkeypatch.setattr(chunked, "BF16_DOT", False)
+    ref = lssar.attention(q, k, v, **kw)
+    assert seen[-1] is None
+    assert (out.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
+    seen.clear()
+    monkeypatch.setattr(chunked, "BF16_DOT", True)
+    lssar.attention(q.float(), k.float(), v.float(), **kw)
+    assert seen == [None]
+
+
+@pytest.mark.parametrize("p", [None, 15.0])
+def test_bf16_key_tiles_add_up(p):
+    """The bf16 path's key tiles (slabs of packed pairs, each key's norm) give the one-tile
+    result, with a mask, causal, T_q != T_k and an odd head dim."""
+    from lssar.ops.common import REWEIGHT_MIN_KEYS, uniform_tolerance, unit
+
+    mod = _bf16_dot_or_skip()
+    g = torch.Generator().manual_seed(14)
+    b, h, tq, tk, d = 2, 3, 37, 53, 17
+    qb = torch.randn(b, h, tq, d, generator=g).bfloat16()
+    kb = torch.randn(b, h, tk, d, generator=g).bfloat16()
+    q, k = unit(qb.float()), unit(kb.float())
+    v = torch.randn(b, h, tk, d, generator=g)
+    mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
+    rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
+    args = (mask, h, True, 4.16, True, *rule, 16)
+    whole, s1 = mod.forward(q, k, v, *args, tk, qb, kb)
+    tiled, s2 = mod.forward(q, k, v, *args, 16, qb, kb)
+    f32, s3 = mod.forward(q, k, v, *args, tk, None, None)
+    assert s1 == s2 == s3 == 0
+    assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(whole, f32, rtol=1e-4, atol=1e-5)
+
+
+def test_the_avx2_build_has_no_bf16_dot_products():
+    if "AVX2" not in cpu_kernel.runnable_isas():
+        pytest.skip("this machine runs no AVX2 build")
+    assert cpu_kernel.load(isa="AVX2").bf16_dot() is False
 
 
 # The build cache: a killed or hung build never blocks a later call, and environments do not
