@@ -85,8 +85,8 @@ def _fused_call(
 ):
     """Run the C++ kernel's ``name`` on float32 CPU tensors; None where the eager path must run
     (not float32 on CPU, kernel unavailable, or a row whose every softplus underflowed: relative
-    weights needed). ``raw``: the forward's bf16 query and key before their QK-norm (see
-    :data:`BF16_DOT`), or None."""
+    weights needed). ``raw``: the bf16 query and key before their QK-norm (see :data:`BF16_DOT`),
+    or None."""
     if tensors[0].dtype != torch.float32 or q.device.type != "cpu":
         return None
     from lssar.ops.cpu.build import kernel
@@ -101,16 +101,14 @@ def _fused_call(
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
     if name == "forward":
         tiling = (block if block > 0 else LSSA_ROWS if p is None else LSSAR_ROWS, LSSA_KEY_TILE)
-        raws = (None, None) if raw is None else [_kernel_view(t.detach()) for t in raw]
-        out, status = mod.forward(*views, m4, H, is_causal, scale, log_n, *rule, *tiling, *raws)
-        if status == 2:  # a bf16 input not finite: Q K^T from the normalised float32 copies
-            out, status = mod.forward(
-                *views, m4, H, is_causal, scale, log_n, *rule, *tiling, None, None
-            )
-        return None if status else [out]
-    tiling = (_fused_rows(t_k, block, is_causal),)
-    *outs, underflow = mod.backward(*views, m4, H, is_causal, scale, log_n, *rule, *tiling)
-    return None if underflow else outs
+    else:
+        tiling = (_fused_rows(t_k, block, is_causal),)
+    run = getattr(mod, name)
+    raws = (None, None) if raw is None else [_kernel_view(t.detach()) for t in raw]
+    *outs, status = run(*views, m4, H, is_causal, scale, log_n, *rule, *tiling, *raws)
+    if status == 2:  # a bf16 input not finite: Q K^T from the normalised float32 copies
+        *outs, status = run(*views, m4, H, is_causal, scale, log_n, *rule, *tiling, None, None)
+    return None if status else outs
 
 
 def _kernel_view(t: Tensor) -> Tensor:
@@ -292,8 +290,11 @@ def softplus_attention_backward_op(
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
     sink_hi: Tensor | None = None,
+    q_raw: Tensor | None = None,
+    k_raw: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Recomputing backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``."""
+    """Recomputing backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``; ``q_raw,
+    k_raw`` as the forward's."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     g = grad.to(dtype)
@@ -301,7 +302,9 @@ def softplus_attention_backward_op(
     if fused:
         tensors = (g, qf, kf, vf)
         if spans is None:
-            got = _fused_call("backward", tensors, q, k, mask, is_causal, scale, log_n, p, block)
+            raw = None if q_raw is None or k_raw is None else (q_raw, k_raw)
+            args = (mask, is_causal, scale, log_n, p, block)
+            got = _fused_call("backward", tensors, q, k, *args, raw=raw)
         else:
             got = _fused_blocks("backward", tensors, mask, scale, log_n, p, block, spans)
         if got is not None:
@@ -350,21 +353,21 @@ def softplus_attention_backward_op(
 
 @softplus_attention_backward_op.register_fake
 def _softplus_attention_backward_fake(
-    grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans
+    grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans_and_raw
 ):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, p, block, fused, *spans, _q_raw, _k_raw = inputs
-    ctx.save_for_backward(q, k, v, mask, *spans)
+    q, k, v, mask, is_causal, scale, log_n, p, block, fused, *spans_and_raw = inputs
+    ctx.save_for_backward(q, k, v, mask, *spans_and_raw)
     ctx.args = (is_causal, scale, log_n, p, block, fused)
 
 
 def _backward(ctx, grad):
-    q, k, v, mask, *spans = ctx.saved_tensors
-    dq, dk, dv = softplus_attention_backward_op(grad, q, k, v, mask, *ctx.args, *spans)
-    return dq, dk, dv, *(None,) * (9 + len(spans))  # nothing for the options, spans and raw q, k
+    q, k, v, mask, *spans_and_raw = ctx.saved_tensors
+    dq, dk, dv = softplus_attention_backward_op(grad, q, k, v, mask, *ctx.args, *spans_and_raw)
+    return dq, dk, dv, *(None,) * (7 + len(spans_and_raw))  # options, spans, raw q and k
 
 
 softplus_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -162,9 +162,9 @@ def test_backward_row_blocks_add_up(p):
         v, grad = torch.randn(b, h, tk, d, generator=g), torch.randn(b, h, tq, d, generator=g)
         mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
         args = (grad, q, k, v, mask, h, True, 4.16, True, *rule)
-        *whole, uf1 = mod.backward(*args, tq)
+        *whole, uf1 = mod.backward(*args, tq, None, None)
         for rows in (7, chunked.FUSED_CAUSAL_ROWS):
-            *blocks, uf2 = mod.backward(*args, rows)
+            *blocks, uf2 = mod.backward(*args, rows, None, None)
             assert not uf1 and not uf2
             for a, w in zip(blocks, whole):
                 assert torch.allclose(a, w, rtol=1e-5, atol=1e-6 * w.abs().max().item())
@@ -303,6 +303,39 @@ def test_bf16_dot_products_match_the_float32_kernel(p):
             assert err_raw <= 2 * max(err_own, floor), (tq, tk, d, causal, m is not None)
 
 
+@pytest.mark.parametrize("p", [None, 15.0, 3.0])
+def test_bf16_dot_products_in_the_backward(p):
+    """The backward's cosines from the bf16 inputs: the float32 kernel's gradients, and errors
+    against float64 (the eager path on float64 copies) within 3x those of the eager path in
+    float32 (the gradients' rule), on the shapes of the forward's test."""
+    import math
+
+    from lssar.ops.common import unit
+
+    _bf16_dot_or_skip()
+    g = torch.Generator().manual_seed(15)
+    for tq, tk, d in ((1, 1, 64), (7, 7, 33), (63, 63, 100), (257, 257, 7), (37, 90, 32)):
+        q = torch.randn(2, 3, tq, d, generator=g).bfloat16()
+        k = torch.randn(2, 3, tk, d, generator=g).bfloat16()
+        v = torch.randn(2, 3, tk, d, generator=g)
+        grad = torch.randn(2, 3, tq, d, generator=g)
+        mask = (torch.rand(2, 1, tq, tk, generator=g) > 0.3).expand(2, 3, tq, tk)
+        qn, kn = unit(q.float()), unit(k.float())
+        for causal, m in ((True, None), (False, None), (True, mask)):
+            args = (m, causal, math.log(d), True, p, 0)
+            tensors = (grad, qn, kn, v)
+            raw = chunked._fused_call("backward", tensors, qn, kn, *args, raw=(q, k))
+            f32 = chunked._fused_call("backward", tensors, qn, kn, *args)
+            wide = (grad.double(), unit(q.double()), unit(k.double()), v.double())
+            exact = chunked.softplus_attention_backward_op(*wide, *args, False)
+            own = chunked.softplus_attention_backward_op(*tensors, *args, False)
+            for a, b, x, o in zip(raw, f32, exact, own):
+                assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+                err, err_own = ((y.double() - x).abs().max().item() for y in (a, o))
+                floor = 2**-23 * x.abs().max().item()
+                assert err <= 3 * max(err_own, floor), (tq, tk, d, causal, m is not None)
+
+
 def test_bf16_dot_products_keep_every_scale_and_fall_back_on_non_finite_rows():
     """Rows scaled by 2^100 or 2^-120 (products beyond float32's range or below its normal one
     unless each row is scaled first), zero rows (zero scores) and rows holding a NaN or an
@@ -325,6 +358,14 @@ def test_bf16_dot_products_keep_every_scale_and_fall_back_on_non_finite_rows():
     raw, f32 = _forward_pair(q, k, v, p=15.0)
     assert raw.isnan().any() and torch.equal(raw.isnan(), f32.isnan())
     assert torch.equal(raw.nan_to_num(0.0), f32.nan_to_num(0.0))  # the same call, rerun
+    mod = cpu_kernel.kernel()
+    from lssar.ops.common import REWEIGHT_MIN_KEYS, uniform_tolerance, unit
+
+    qn, kn = unit(q.float()), unit(k.float())
+    rule = (15.0, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
+    args = (torch.randn(v.shape), qn, kn, v, None, 2, True, 4.0, True, *rule, 32)
+    assert mod.backward(*args, q, k)[-1] == 2  # reported: the host reruns without them
+    assert mod.backward(*args, None, None)[-1] == 0
 
 
 def test_bf16_inputs_take_the_bf16_dot_path(monkeypatch):
@@ -358,7 +399,8 @@ def test_bf16_inputs_take_the_bf16_dot_path(monkeypatch):
 @pytest.mark.parametrize("p", [None, 15.0])
 def test_bf16_key_tiles_add_up(p):
     """The bf16 path's key tiles (slabs of packed pairs, each key's norm) give the one-tile
-    result, with a mask, causal, T_q != T_k and an odd head dim."""
+    result, and its backward's row blocks the one-block gradients, with a mask, causal,
+    T_q != T_k and an odd head dim."""
     from lssar.ops.common import REWEIGHT_MIN_KEYS, uniform_tolerance, unit
 
     mod = _bf16_dot_or_skip()
@@ -377,6 +419,16 @@ def test_bf16_key_tiles_add_up(p):
     assert s1 == s2 == s3 == 0
     assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6)
     assert torch.allclose(whole, f32, rtol=1e-4, atol=1e-5)
+    grad = torch.randn(b, h, tq, d, generator=g)  # the backward's row blocks, from the same pairs
+    args = (grad, q, k, v, mask, h, True, 4.16, True, *rule)
+    *one, s1 = mod.backward(*args, tq, qb, kb)
+    *f32, s3 = mod.backward(*args, tq, None, None)
+    for rows in (7, chunked.FUSED_CAUSAL_ROWS):
+        *blocks, s2 = mod.backward(*args, rows, qb, kb)
+        assert s1 == s2 == s3 == 0
+        for a, w, f in zip(blocks, one, f32):
+            assert torch.allclose(a, w, rtol=1e-5, atol=1e-6 * w.abs().max().item())
+            assert torch.allclose(w, f, rtol=1e-3, atol=1e-4 * f.abs().max().item())
 
 
 def test_the_avx2_build_has_no_bf16_dot_products():

@@ -831,6 +831,34 @@ inline void qk_rows_bf16(const uint32_t* q, int64_t ldq, const uint32_t* slab, i
   qk_tile_bf16<QR, PAR>(q, ldq, slab, D2, acc);
   if constexpr (RBn > QR) qk_rows_bf16<RBn - QR, PAR>(q + QR * ldq, ldq, slab, D2, acc + QR);
 }
+
+// The backward's cosines of bf16 inputs: out[r][j] = (q_r . k_j) qs[r] ks[j] for R rows (q: their
+// pairs, D2 a row) and keys [0, e) (the packed slabs), row stride ldo; the GEMM the float32 path
+// leaves to BLAS
+template <int PAR>
+void cosines_bf16(const uint32_t* q, const float* qs, int64_t R, const uint32_t* slabs,
+                  const float* ks, int64_t D2, int64_t e, float* out, int64_t ldo) {
+  for (int64_t m0 = 0; m0 < R; m0 += RB) {
+    with_rows(std::min<int64_t>(RB, R - m0), [&](auto RBn) {
+      constexpr int rb = decltype(RBn)::value;
+      Vec acc[RB][2];
+      for (int64_t j = 0; j < e; j += NB) {
+        qk_rows_bf16<rb, PAR>(q + m0 * D2, D2, slabs + j / NB * D2 * NB, D2, acc);
+        for (int r = 0; r < rb; ++r) {
+          const Vec qv(qs[m0 + r]);
+          for (int h = 0; h < 2; ++h) {
+            const int64_t cnt = std::min<int64_t>(L, e - j - h * L);
+            if (cnt <= 0) break;
+            const Vec x = acc[r][h] * Vec::loadu(ks + j + h * L) * qv;
+            float* o = out + (m0 + r) * ldo + j + h * L;
+            if (cnt == L) x.store(o);
+            else x.store(o, cnt);
+          }
+        }
+      }
+    });
+  }
+}
 #endif
 
 // out [BH, T_q, Dv]; returns (out, status): 0, or 1 where a row's every softplus underflowed
@@ -1049,11 +1077,13 @@ void score_grads(const Problem& P, const RowStats& st, const float* mf, const fl
   std::fill(dp + e, dp + e_blk, 0.f);
 }
 
-// grad [BH, T_q, Dv] -> (dq, dk, dv, any_underflow)
-std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
+// grad [BH, T_q, Dv] -> (dq, dk, dv, status): status as forward's (qr, kr: the cosines from the
+// bf16 inputs, cosines_bf16)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, int64_t H, bool causal, double scale, bool log_n,
-    double p, double min_keys, double tol, int64_t rows) {
+    double p, double min_keys, double tol, int64_t rows, const c10::optional<at::Tensor>& qr,
+    const c10::optional<at::Tensor>& kr) {
   const int64_t B = q.size(0);
   const View G = check(grad, "grad", B, H), Q = check(q, "q", B, H), K = check(k, "k", B, H),
              V = check(v, "v", B, H);
@@ -1062,16 +1092,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
   // [B, H, T, D] contiguous, zeroed per head where they are computed
   auto dq = at::empty({B, H, P.t_q, P.d}, q.options());
   auto dk = at::empty({B, H, P.t_k, P.d}, q.options()), dvv = at::empty({B, H, P.t_k, P.dv}, q.options());
-  std::atomic<bool> underflow{false};
+  std::atomic<bool> underflow{false}, nonfinite{false};
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows, D = P.d, DV = P.dv;
+  const bool raw = qr.has_value() && kr.has_value() && bf16_dot();
+  const int64_t D2 = (D + 1) / 2;
+#if defined(LSSAR_BF16_DOT)
+  View16 QR, KR;
+  if (raw) {
+    QR = check16(*qr, "qr", B, H, P.t_q, D);
+    KR = check16(*kr, "kr", B, H, P.t_k, D);
+  }
+#endif
   float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gbuf, wbuf, dbuf, rbuf, gden(P.rows * DV), mfb(P.rows * P.t_k);
     std::vector<RowStats> stats(P.rows);
     std::vector<const float*> mfs(P.rows);
+    std::vector<uint32_t> slabs16(raw ? round_up(P.t_k, NB) * D2 : 0), qpk(raw ? P.rows * D2 : 0);
+    std::vector<float> ks(raw ? round_up(P.t_k, NB) : 0), qs(raw ? P.rows : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const float* kb = K.row(bh, 0);
       const float* vb = V.row(bh, 0);
+#if defined(LSSAR_BF16_DOT)
+      if (raw && !pack_keys_bf16(KR.row(bh, 0), KR.ld, P.t_k, D, slabs16.data(), ks.data()))
+        nonfinite = true;
+#endif
       std::fill(dkp + bh * P.t_k * D, dkp + (bh + 1) * P.t_k * D, 0.f);
       std::fill(dvp + bh * P.t_k * DV, dvp + (bh + 1) * P.t_k * DV, 0.f);
       for (int64_t blk = 0; blk < n_blocks; ++blk) {
@@ -1087,7 +1132,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
         if (P.reweight) rbuf.resize(R * e_blk);
         const float* qb = Q.row(bh, i0);
         const float* gb = G.row(bh, i0);
-        gemm(R, e_blk, D, qb, Q.ld, kb, K.ld, true, 0.f, gbuf.data(), e_blk);  // cosines
+        if (!raw) gemm(R, e_blk, D, qb, Q.ld, kb, K.ld, true, 0.f, gbuf.data(), e_blk);  // cosines
+#if defined(LSSAR_BF16_DOT)
+        if (raw) {
+          for (int64_t r = 0; r < R; ++r) {
+            uint16_t* qrow = reinterpret_cast<uint16_t*>(qpk.data() + r * D2);
+            qs[r] = scale_row_bf16(QR.row(bh, i0 + r), D, qrow);
+            if (std::isnan(qs[r])) nonfinite = true;
+          }
+          if (P.t_k < 256)  // four partial sums on short rows, as the forward
+            cosines_bf16<4>(qpk.data(), qs.data(), R, slabs16.data(), ks.data(), D2, e_blk,
+                            gbuf.data(), e_blk);
+          else
+            cosines_bf16<2>(qpk.data(), qs.data(), R, slabs16.data(), ks.data(), D2, e_blk,
+                            gbuf.data(), e_blk);
+        }
+#endif
         for (int64_t r = 0; r < R; ++r) {
           const int64_t e = P.row_end(i0 + r);
           float n;
@@ -1126,7 +1186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
       }
     }
   });
-  return {dq, dk, dvv, underflow.load()};
+  return {dq, dk, dvv, nonfinite.load() ? 2 : underflow.load() ? 1 : 0};
 }
 
 // ---------------------------------------------------------------------------- the decode step
