@@ -2,7 +2,9 @@
 //
 // The host (lssar/ops/chunked.py) normalises q and k in float32 (unit_forward below, through
 // lssar/ops/cpu/unit.py) and passes float32 [B, H, T, D] tensors, read in place (rows of unit
-// stride, any batch and head strides: View); the outputs are contiguous [B, H, T, D].
+// stride, any batch and head strides: View); the outputs are contiguous [B, H, T, D]. With bf16
+// inputs it may also pass the bf16 q and k: the products Q K^T are then taken from them on
+// AVX512-BF16 dot products (qk_tile_bf16, cosines_bf16), everything else as before.
 // Forward: per block of query rows, scores by register-blocked micro-kernels, weights in
 // vectorised passes over each row while it is in cache (softplus, Z_i and max_j a_ij; then
 // r_ij^p), and a second GEMM with V; LSSA is also tiled over keys, LSSAR keeps a block's softplus
