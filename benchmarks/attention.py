@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 import lssar
-from lssar.ops.cpu.build import build_isa
+from lssar.ops import chunked
+from lssar.ops.cpu.build import build_isa, kernel
 from lssar.positions import alibi_slopes
 from lssar.runio import cpu_info
 
@@ -186,10 +187,13 @@ def machine() -> str:
     the kernel is built for, torch version, threads, clock, python."""
     info = cpu_info()
     cpu, flags = info["cpu_model"], set(info["cpu_flags"].split())
+    mod = kernel()
+    dot = mod is not None and hasattr(mod, "bf16_dot") and mod.bf16_dot() and chunked.BF16_DOT
     return (
         f"{cpu}; {os.cpu_count()} cores; flags {' '.join(f for f in FLAGS if f in flags) or '?'}"
         f"; {torch.backends.cpu.get_cpu_capability()} "
-        f"(cpu kernel built for {build_isa() or 'portable code'}); "
+        f"(cpu kernel built for {build_isa() or 'portable code'}; bf16 inputs' Q K^T on "
+        f"{'AVX512-BF16 dot products' if dot else 'float32 copies'}); "
         f"torch {torch.__version__}; threads {torch.get_num_threads()}; "
         f"clock {'cpu' if clock is time.process_time else 'wall'}; python {sys.version.split()[0]}"
     )

@@ -60,6 +60,11 @@ FUSED_CAUSAL_ROWS = 32
 # flash kernel. LSSAR: blocks of 64 rows whose softplus values are kept between its two passes
 # (written once, read once; recomputing them per tile cost more than the traffic it saves).
 LSSA_ROWS, LSSA_KEY_TILE, LSSAR_ROWS = 256, 512, 64
+# bf16 q and k with the QK-norm: the fused forward computes Q K^T from the bf16 inputs on
+# AVX512-BF16 dot products where the build and the CPU have them (the kernel's bf16_dot; exact
+# products, float32 sums, the norms applied after), else from their normalised float32 copies.
+# False: always the float32 copies (comparisons).
+BF16_DOT = True
 
 
 def _block_rows(bh: int, t_k: int, block: int) -> int:
@@ -75,10 +80,13 @@ def _fused_rows(t_k: int, block: int, is_causal: bool) -> int:
     return min(rows, FUSED_CAUSAL_ROWS) if is_causal else rows
 
 
-def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale, log_n, p, block):
+def _fused_call(
+    name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale, log_n, p, block, raw=None
+):
     """Run the C++ kernel's ``name`` on float32 CPU tensors; None where the eager path must run
     (not float32 on CPU, kernel unavailable, or a row whose every softplus underflowed: relative
-    weights needed)."""
+    weights needed). ``raw``: the bf16 query and key before their QK-norm (see :data:`BF16_DOT`),
+    or None."""
     if tensors[0].dtype != torch.float32 or q.device.type != "cpu":
         return None
     from lssar.ops.cpu.build import kernel
@@ -90,13 +98,17 @@ def _fused_call(name: str, tensors, q: Tensor, k: Tensor, mask, is_causal, scale
     t_k = k.shape[2]
     views = [_kernel_view(t.detach()) for t in tensors]
     m4 = None if mask is None else as_4d(mask).expand(B, H, t_q, t_k)
+    rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
     if name == "forward":
         tiling = (block if block > 0 else LSSA_ROWS if p is None else LSSAR_ROWS, LSSA_KEY_TILE)
     else:
         tiling = (_fused_rows(t_k, block, is_causal),)
-    rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
-    *outs, underflow = getattr(mod, name)(*views, m4, H, is_causal, scale, log_n, *rule, *tiling)
-    return None if underflow else outs
+    run = getattr(mod, name)
+    raws = (None, None) if raw is None else [_kernel_view(t.detach()) for t in raw]
+    *outs, status = run(*views, m4, H, is_causal, scale, log_n, *rule, *tiling, *raws)
+    if status == 2:  # a bf16 input not finite: Q K^T from the normalised float32 copies
+        *outs, status = run(*views, m4, H, is_causal, scale, log_n, *rule, *tiling, None, None)
+    return None if status else outs
 
 
 def _kernel_view(t: Tensor) -> Tensor:
@@ -228,17 +240,21 @@ def softplus_attention_op(
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
     sink_hi: Tensor | None = None,
+    q_raw: Tensor | None = None,
+    k_raw: Tensor | None = None,
 ) -> Tensor:
     """Forward of softplus-l1 attention (+ optional re-weighting). ``q (B,H,T_q,D)``,
     ``k (B,H,T_k,D)``, ``v (B,H,T_k,D_v)`` -> ``(B,H,T_q,D_v)`` in ``q``'s dtype. ``lo .. sink_hi``:
-    a :class:`KeySpans`' vectors (documents, a window), or None."""
+    a :class:`KeySpans`' vectors (documents, a window), or None. ``q_raw, k_raw``: bf16 ``q`` and
+    ``k`` before the QK-norm that gave these (fused only; see :data:`BF16_DOT`), or None."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     spans = _spans_of(lo, hi, sink_lo, sink_hi, k.shape[2])
     if fused:
         if spans is None:
             args = (mask, is_causal, scale, log_n, p, block)
-            got = _fused_call("forward", (qf, kf, vf), q, k, *args)
+            raw = None if q_raw is None or k_raw is None else (q_raw, k_raw)
+            got = _fused_call("forward", (qf, kf, vf), q, k, *args, raw=raw)
         else:
             got = _fused_blocks("forward", (qf, kf, vf), mask, scale, log_n, p, block, spans)
         if got is not None:
@@ -251,7 +267,9 @@ def softplus_attention_op(
 
 
 @softplus_attention_op.register_fake
-def _softplus_attention_fake(q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans):
+def _softplus_attention_fake(
+    q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans_and_raw
+):
     return v.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
@@ -272,8 +290,11 @@ def softplus_attention_backward_op(
     hi: Tensor | None = None,
     sink_lo: Tensor | None = None,
     sink_hi: Tensor | None = None,
+    q_raw: Tensor | None = None,
+    k_raw: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Recomputing backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``."""
+    """Recomputing backward: ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``; ``q_raw,
+    k_raw`` as the forward's."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     g = grad.to(dtype)
@@ -281,7 +302,9 @@ def softplus_attention_backward_op(
     if fused:
         tensors = (g, qf, kf, vf)
         if spans is None:
-            got = _fused_call("backward", tensors, q, k, mask, is_causal, scale, log_n, p, block)
+            raw = None if q_raw is None or k_raw is None else (q_raw, k_raw)
+            args = (mask, is_causal, scale, log_n, p, block)
+            got = _fused_call("backward", tensors, q, k, *args, raw=raw)
         else:
             got = _fused_blocks("backward", tensors, mask, scale, log_n, p, block, spans)
         if got is not None:
@@ -330,21 +353,21 @@ def softplus_attention_backward_op(
 
 @softplus_attention_backward_op.register_fake
 def _softplus_attention_backward_fake(
-    grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans
+    grad, q, k, v, mask, is_causal, scale, log_n, p, block, fused=False, *spans_and_raw
 ):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, is_causal, scale, log_n, p, block, fused, *spans = inputs
-    ctx.save_for_backward(q, k, v, mask, *spans)
+    q, k, v, mask, is_causal, scale, log_n, p, block, fused, *spans_and_raw = inputs
+    ctx.save_for_backward(q, k, v, mask, *spans_and_raw)
     ctx.args = (is_causal, scale, log_n, p, block, fused)
 
 
 def _backward(ctx, grad):
-    q, k, v, mask, *spans = ctx.saved_tensors
-    dq, dk, dv = softplus_attention_backward_op(grad, q, k, v, mask, *ctx.args, *spans)
-    return dq, dk, dv, *(None,) * (7 + len(spans))
+    q, k, v, mask, *spans_and_raw = ctx.saved_tensors
+    dq, dk, dv = softplus_attention_backward_op(grad, q, k, v, mask, *ctx.args, *spans_and_raw)
+    return dq, dk, dv, *(None,) * (7 + len(spans_and_raw))  # options, spans, raw q and k
 
 
 softplus_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -388,7 +411,11 @@ def _softplus_attention(
         return decode_step(query, key, value, *args, key_norms)
     if enable_gqa:
         key, value = expand_kv(query, key, value)
+    raw = ()
     if variant.qk_norm:  # in float32 for half inputs, robust at every scale
+        bf16 = query.dtype == key.dtype == torch.bfloat16 and query.device.type == "cpu"
+        if fused and bf16 and spans is None and BF16_DOT:
+            raw = (None,) * 4 + (query.detach(), key.detach())  # no spans, then q_raw, k_raw
         norm = unit_cpu if fused else unit
         query, key = norm(query), norm(key)
     return softplus_attention_op(
@@ -402,7 +429,7 @@ def _softplus_attention(
         None if p is None else float(p),
         int(block),
         bool(fused),
-        *(() if spans is None else (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)),
+        *(raw if spans is None else (spans.lo, spans.hi, spans.sink_lo, spans.sink_hi)),
     )
 
 

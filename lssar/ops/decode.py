@@ -23,6 +23,7 @@ from lssar.ops.common import (
     uniform_tolerance,
     unit,
 )
+from lssar.ops.cpu.unit import unit_no_grad
 from lssar.ops.spans import block_visibility
 from lssar.ops.weights import row_scale, softplus_weights
 
@@ -102,8 +103,7 @@ def _eager_decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p) -> Tensor:
     return ((num @ vf) / den).reshape(B, hq, t_q, v.shape[-1])
 
 
-@torch.library.custom_op("lssar::softplus_decode", mutates_args=())
-def softplus_decode_op(
+def _decode(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -115,7 +115,10 @@ def softplus_decode_op(
     p: float | None,
     k_inv: Tensor | None = None,
 ) -> Tensor:
-    """A few float32 queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
+    """:func:`softplus_decode_op`'s body: eager calls run it directly (the op's dispatch cost a
+    third of a step's time at 1K keys; it has no gradient to record).
+
+    A few float32 queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
     ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys (float32, bf16 or fp16), ``H_q``
     a multiple of ``H_k``; the output in float32. Each key and value is read once, in place, by
     the fused kernel's decode entry, which reads no masked key or value
@@ -141,6 +144,23 @@ def softplus_decode_op(
     return _eager_decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p)
 
 
+@torch.library.custom_op("lssar::softplus_decode", mutates_args=())
+def softplus_decode_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    log_n: bool,
+    qk_norm: bool,
+    p: float | None,
+    k_inv: Tensor | None = None,
+) -> Tensor:
+    """The decode step of :func:`_decode` as an op (what torch.compile traces)."""
+    return _decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, k_inv)
+
+
 @softplus_decode_op.register_fake
 def _softplus_decode_fake(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, k_inv=None):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])  # float32, as q
@@ -153,7 +173,11 @@ def decode_step(
     the cache's ``key_norms`` if given) or :func:`_eager_decode`; with ``spans`` over only the keys
     the rows may see (a view of the cache for documents and windows)."""
     dtype = value.dtype
-    query = unit(query) if qk_norm else query.to(compute_dtype(query.dtype))
+    eager = fused and not torch.compiler.is_compiling()
+    if not qk_norm:
+        query = query.to(compute_dtype(query.dtype))
+    else:  # on the kernel's unit_forward in eager fused calls (unit's dozen ops: 40 us a step)
+        query = unit_no_grad(query) if eager else unit(query)
     if spans is not None:
         keys, mask = block_visibility(spans, as_4d(mask), 0, query.shape[-2])
         if keys is None:  # no row sees a key
@@ -161,5 +185,8 @@ def decode_step(
         key, value, is_causal = key[:, :, keys], value[:, :, keys], False
         key_norms = None if key_norms is None else key_norms[:, :, keys]
     args = (query, key, value, mask, is_causal, c, log_n, qk_norm, p)
-    out = softplus_decode_op(*args, key_norms) if fused else _eager_decode(*args)
+    if not fused:
+        out = _eager_decode(*args)
+    else:
+        out = (_decode if eager else softplus_decode_op)(*args, key_norms)
     return out.to(dtype)

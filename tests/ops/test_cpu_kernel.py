@@ -139,8 +139,8 @@ def test_key_tiles_add_up_to_the_whole_row(p):
     mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
     rule = (-1.0 if p is None else p, float(REWEIGHT_MIN_KEYS), uniform_tolerance(torch.float32))
     args = (mask, h, True, 4.16, True, *rule, 16)
-    whole, uf1 = mod.forward(q, k, v, *args, tk)
-    tiled, uf2 = mod.forward(q, k, v, *args, 16)
+    whole, uf1 = mod.forward(q, k, v, *args, tk, None, None)
+    tiled, uf2 = mod.forward(q, k, v, *args, 16, None, None)
     assert not uf1 and not uf2
     assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6)
 
@@ -162,9 +162,9 @@ def test_backward_row_blocks_add_up(p):
         v, grad = torch.randn(b, h, tk, d, generator=g), torch.randn(b, h, tq, d, generator=g)
         mask = (torch.rand(b, 1, tq, tk, generator=g) > 0.3).expand(b, h, tq, tk)
         args = (grad, q, k, v, mask, h, True, 4.16, True, *rule)
-        *whole, uf1 = mod.backward(*args, tq)
+        *whole, uf1 = mod.backward(*args, tq, None, None)
         for rows in (7, chunked.FUSED_CAUSAL_ROWS):
-            *blocks, uf2 = mod.backward(*args, rows)
+            *blocks, uf2 = mod.backward(*args, rows, None, None)
             assert not uf1 and not uf2
             for a, w in zip(blocks, whole):
                 assert torch.allclose(a, w, rtol=1e-5, atol=1e-6 * w.abs().max().item())

@@ -2,7 +2,9 @@
 //
 // The host (lssar/ops/chunked.py) normalises q and k in float32 (unit_forward below, through
 // lssar/ops/cpu/unit.py) and passes float32 [B, H, T, D] tensors, read in place (rows of unit
-// stride, any batch and head strides: View); the outputs are contiguous [B, H, T, D].
+// stride, any batch and head strides: View); the outputs are contiguous [B, H, T, D]. With bf16
+// inputs it may also pass the bf16 q and k: the products Q K^T are then taken from them on
+// AVX512-BF16 dot products (qk_tile_bf16, cosines_bf16), everything else as before.
 // Forward: per block of query rows, scores by register-blocked micro-kernels, weights in
 // vectorised passes over each row while it is in cache (softplus, Z_i and max_j a_ij; then
 // r_ij^p), and a second GEMM with V; LSSA is also tiled over keys, LSSAR keeps a block's softplus
@@ -21,6 +23,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -617,25 +621,27 @@ struct Rows {
   int64_t ldm;
 };
 
-// The softplus weights of RBn rows (q, row stride ldq) over the tile's keys [k0, k0 + jend) into
-// `s` (row stride lds; keys from jend on are not written), from the tile's packed slabs; adds
-// each row's sum and largest value to zsum / amax.
-// PAR (2 or 4) partial sums per score: see qk_tile
-template <int RBn, int PAR>
-void score_tile(const float* q, int64_t ldq, const float* slabs, int64_t D, int64_t k0,
-                int64_t jend, const Rows& rows, float* s, int64_t lds, float* zsum, float* amax) {
+// The softplus weights of RBn rows over the tile's keys [k0, k0 + jend) into `s` (row stride
+// lds; keys from jend on are not written); adds each row's sum and largest value to zsum / amax.
+// qk(slab, acc) computes the rows' products with one packed slab of NB keys (float32: qk_rows;
+// bf16 inputs: qk_rows_bf16); KS: the products are scaled per key by ks[k] (the keys' inverse
+// norms of the bf16 path) before the row scale.
+template <int RBn, bool KS, typename QK>
+void score_tile(QK&& qk, const float* ks, int64_t k0, int64_t jend, const Rows& rows, float* s,
+                int64_t lds, float* zsum, float* amax) {
   Vec acc[RB][2], zs[RB], mx[RB];
   for (int r = 0; r < RBn; ++r) zs[r] = mx[r] = Vec(0.f);
   const Vec zero(0.f);
   for (int64_t jl = 0; jl < jend; jl += NB) {
-    const float* slab = slabs + (k0 + jl) / NB * D * NB;
-    qk_rows<RBn, PAR>(q, ldq, slab, D, acc);
+    qk((k0 + jl) / NB, acc);
     for (int r = 0; r < RBn; ++r) {
       const int64_t lim = std::min(rows.e[r] - k0, jend) - jl;  // visible lanes (causal end)
       float* out = s + r * lds + jl;
       const Vec cv(rows.c[r]);
       for (int h = 0; h < 2; ++h) {
-        Vec a = softplus(acc[r][h] * cv);
+        Vec x = acc[r][h];
+        if constexpr (KS) x = x * Vec::loadu(ks + k0 + jl + h * L);
+        Vec a = softplus(x * cv);
         const int64_t cnt = lim - h * L;
         if (rows.mf) a = Vec::blendv(zero, a, Vec::loadu(rows.mf + r * rows.ldm + jl + h * L) > zero);
         if (cnt < L) a = cnt > 0 ? Vec::set(zero, a, cnt) : zero;  // select: inf / NaN not read
@@ -651,7 +657,215 @@ void score_tile(const float* q, int64_t ldq, const float* slabs, int64_t D, int6
   }
 }
 
-// out [BH, T_q, Dv]; returns (out, any_underflow).
+// ------------------------------------------------ bf16 inputs: Q K^T on AVX512-BF16 dot products
+// With bf16 q and k the products q_d k_d are exact in float32, so VDPBF16PS (two products added
+// to a float32 accumulator per lane, 32 products an instruction against 16 for an FMA) computes
+// the cosines' dot products from the raw inputs with float32 accumulation, and the norms are
+// applied after: s_ij = c_i (q_i . k_j) / (||q_i|| ||k_j||). Each row is first scaled by the
+// power of two that brings its largest magnitude into [1, 2) (exact in bf16), so no product
+// overflows or falls below float32's normal range (the instruction flushes those to 0) unless it
+// is below 2^-250 of the row's largest. Rows holding a NaN or an infinity are reported and the
+// host reruns the call on the float32 path. Compiled into the AVX-512 build only, used where the
+// CPU has the instruction (bf16_dot()); V and the weights stay float32 (see docs/history).
+#if defined(CPU_CAPABILITY_AVX512)
+#define LSSAR_BF16_DOT 1
+#endif
+
+bool bf16_dot() {
+#if defined(LSSAR_BF16_DOT)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+#if defined(LSSAR_BF16_DOT)
+// A bf16 input [B, H, T, D] read in place, as View
+struct View16 {
+  const uint16_t* p = nullptr;
+  int64_t sb = 0, sh = 0, ld = 1, H = 1;
+  const uint16_t* row(int64_t bh, int64_t i) const {
+    return p + (bh / H) * sb + (bh % H) * sh + i * ld;
+  }
+};
+
+View16 check16(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_t T, int64_t D) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 4 &&
+                  t.size(0) == B && t.size(1) == H && t.size(2) == T && t.size(3) == D,
+              name, " must be a bf16 CPU tensor shaped as its normalised float32 copy");
+  const int64_t ld = T > 1 ? t.stride(2) : D;
+  TORCH_CHECK((t.stride(3) == 1 || D <= 1) && ld >= D, name, " needs a unit last stride");
+  return View16{reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.stride(0),
+                t.stride(1), std::max<int64_t>(ld, 1), H};
+}
+
+// cnt <= 16 bf16 values as float32 lanes (the others 0)
+inline __m512 bf16_lanes(const uint16_t* p, int64_t cnt) {
+  const __m256i h = cnt >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << cnt) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Row x (n bf16 values) times 2^(1 - e), its largest magnitude (in [2^(e-1), 2^e)) brought into
+// [1, 2), as bf16 into out[0, n) and a 0 after an odd n (so out holds (n + 1) / 2 pairs); returns
+// 1 / ||scaled row|| (0 on a zero row), NaN where the row is not finite. The scaling is exact
+// (bf16 keeps its 8 bits) except for values it takes below 2^-126, which the dot product would
+// flush anyway; a row whose largest magnitude is beyond 2^(+-100) is scaled in double (2^(1 - e)
+// may exceed float's range).
+inline float scale_row_bf16(const uint16_t* x, int64_t n, uint16_t* out) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 mx = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 f = _mm512_abs_ps(bf16_lanes(x + j, std::min<int64_t>(16, n - j)));
+    bad |= _mm512_cmp_ps_mask(f, inf, _CMP_NLT_UQ);  // an infinity or a NaN
+    mx = _mm512_max_ps(mx, f);
+  }
+  if (n % 2) out[n] = 0;
+  if (bad) return std::numeric_limits<float>::quiet_NaN();
+  const float big = _mm512_reduce_max_ps(mx);
+  if (big == 0.f) {
+    std::fill(out, out + n, 0);
+    return 0.f;
+  }
+  int e;
+  std::frexp(big, &e);
+  if (e < -100 || e > 100) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      uint32_t u = static_cast<uint32_t>(x[j]) << 16;
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      f = static_cast<float>(std::ldexp(static_cast<double>(f), 1 - e));
+      sum += static_cast<double>(f) * f;
+      std::memcpy(&u, &f, sizeof u);
+      out[j] = static_cast<uint16_t>(u >> 16);
+    }
+    return static_cast<float>(1.0 / std::sqrt(sum));
+  }
+  const __m512 sc = _mm512_set1_ps(std::ldexp(1.f, 1 - e));
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - j);
+    const __m512 y = _mm512_mul_ps(bf16_lanes(x + j, cnt), sc);
+    ss = _mm512_fmadd_ps(y, y, ss);
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16));
+    _mm256_mask_storeu_epi16(out + j, static_cast<__mmask16>((1u << cnt) - 1), h);
+  }
+  return 1.f / std::sqrt(_mm512_reduce_add_ps(ss));
+}
+
+// K [t_k, D] bf16 (row stride ldk) as slabs of NB keys, each D2 = ceil(D / 2) pairs x NB keys
+// (uint32: a pair of bf16 of one key), and ks[k] = 1 / ||scaled key|| (0 past t_k); false if a
+// key is not finite
+bool pack_keys_bf16(const uint16_t* k, int64_t ldk, int64_t t_k, int64_t D, uint32_t* out,
+                    float* ks) {
+  const int64_t D2 = (D + 1) / 2;
+  std::vector<uint32_t> row(D2);
+  bool finite = true;
+  for (int64_t s = 0; s * NB < t_k; ++s) {
+    uint32_t* slab = out + s * D2 * NB;
+    for (int64_t jj = 0; jj < NB; ++jj) {
+      const int64_t j = s * NB + jj;
+      float inv = 0.f;
+      if (j < t_k) {
+        inv = scale_row_bf16(k + j * ldk, D, reinterpret_cast<uint16_t*>(row.data()));
+        finite = finite && !std::isnan(inv);
+      } else {
+        std::fill(row.begin(), row.end(), 0u);
+      }
+      ks[j] = inv;
+      for (int64_t m = 0; m < D2; ++m) slab[m * NB + jj] = row[m];
+    }
+  }
+  return finite;
+}
+
+// RBn query rows' products with one slab: tile_bf16 below over pairs [m, m + X), X <= PAR (a
+// lambda would not inherit the caller's target, so the loop body is this function, inlined)
+template <int RBn, int PAR, int X>
+__attribute__((always_inline, target("avx512bf16"))) inline void dp_pairs(
+    const uint32_t* q, int64_t ldq, const uint32_t* slab, int64_t m, __m512 (*a)[RBn][2]) {
+#pragma GCC unroll 8
+  for (int x = 0; x < X; ++x) {
+    const uint32_t* km = slab + (m + x) * NB;
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(km);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(km + L);
+#pragma GCC unroll 8
+    for (int r = 0; r < RBn; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * ldq + m + x]));
+      a[x][r][0] = _mm512_dpbf16_ps(a[x][r][0], b, k0);
+      a[x][r][1] = _mm512_dpbf16_ps(a[x][r][1], b, k1);
+    }
+  }
+}
+
+// qk_tile on bf16 pairs: acc[r] = q_r . K_slab over D2 pairs (q: RBn rows of D2 pairs, row
+// stride ldq), PAR partial sums as qk_tile's (each instruction adds two products in turn, so a
+// chain rounds as often as qk_tile's chain of FMAs over D)
+template <int RBn, int PAR>
+__attribute__((noinline, target("avx512bf16"))) void qk_tile_bf16(const uint32_t* q, int64_t ldq,
+                                                                   const uint32_t* slab,
+                                                                   int64_t D2, Vec (*acc)[2]) {
+  __m512 a[PAR][RBn][2];
+#pragma GCC unroll 8
+  for (int x = 0; x < PAR; ++x)
+#pragma GCC unroll 8
+    for (int r = 0; r < RBn; ++r) a[x][r][0] = a[x][r][1] = _mm512_setzero_ps();
+  int64_t m = 0;
+  for (; m + PAR <= D2; m += PAR) dp_pairs<RBn, PAR, PAR>(q, ldq, slab, m, a);
+  for (; m < D2; ++m) dp_pairs<RBn, PAR, 1>(q, ldq, slab, m, a);
+#pragma GCC unroll 8
+  for (int r = 0; r < RBn; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m512 t = a[0][r][h];
+#pragma GCC unroll 8
+      for (int x = 1; x < PAR; ++x) t = _mm512_add_ps(t, a[x][r][h]);
+      acc[r][h] = Vec(t);
+    }
+}
+
+template <int RBn, int PAR>
+inline void qk_rows_bf16(const uint32_t* q, int64_t ldq, const uint32_t* slab, int64_t D2,
+                         Vec (*acc)[2]) {
+  constexpr int QR = std::min(RBn, qk_fit<PAR>());
+  qk_tile_bf16<QR, PAR>(q, ldq, slab, D2, acc);
+  if constexpr (RBn > QR) qk_rows_bf16<RBn - QR, PAR>(q + QR * ldq, ldq, slab, D2, acc + QR);
+}
+
+// The backward's cosines of bf16 inputs: out[r][j] = (q_r . k_j) qs[r] ks[j] for R rows (q: their
+// pairs, D2 a row) and keys [0, e) (the packed slabs), row stride ldo; the GEMM the float32 path
+// leaves to BLAS
+template <int PAR>
+void cosines_bf16(const uint32_t* q, const float* qs, int64_t R, const uint32_t* slabs,
+                  const float* ks, int64_t D2, int64_t e, float* out, int64_t ldo) {
+  for (int64_t m0 = 0; m0 < R; m0 += RB) {
+    with_rows(std::min<int64_t>(RB, R - m0), [&](auto RBn) {
+      constexpr int rb = decltype(RBn)::value;
+      Vec acc[RB][2];
+      for (int64_t j = 0; j < e; j += NB) {
+        qk_rows_bf16<rb, PAR>(q + m0 * D2, D2, slabs + j / NB * D2 * NB, D2, acc);
+        for (int r = 0; r < rb; ++r) {
+          const Vec qv(qs[m0 + r]);
+          for (int h = 0; h < 2; ++h) {
+            const int64_t cnt = std::min<int64_t>(L, e - j - h * L);
+            if (cnt <= 0) break;
+            const Vec x = acc[r][h] * Vec::loadu(ks + j + h * L) * qv;
+            float* o = out + (m0 + r) * ldo + j + h * L;
+            if (cnt == L) x.store(o);
+            else x.store(o, cnt);
+          }
+        }
+      }
+    });
+  }
+}
+#endif
+
+// out [BH, T_q, Dv]; returns (out, status): 0, or 1 where a row's every softplus underflowed
+// (the host's eager path recomputes the call), 2 where bf16 inputs qr / kr (given: Q K^T from
+// them, see qk_tile_bf16) hold a NaN or an infinity (the host reruns without them).
 //
 // Tiled over query rows (blocks of `rows`) and keys (tiles of `key_tile`, rounded up to NB), so
 // a tile's packed K and its V stay in L2 while every micro-block of the block's rows uses them.
@@ -660,17 +874,29 @@ void score_tile(const float* q, int64_t ldq, const float* slabs, int64_t D, int6
 // of softplus values, kept between them (rows x T_k floats, written once and read once): pass 1
 // per tile the weights into the kept rows (Z_i, max_j a_ij), pass 2 per tile the weights r^p in
 // place and their product with V. No score is computed twice.
-std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const c10::optional<at::Tensor>& mask, int64_t H,
-                                     bool causal, double scale, bool log_n, double p,
-                                     double min_keys, double tol, int64_t rows,
-                                     int64_t key_tile) {
+std::tuple<at::Tensor, int64_t> forward(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v,
+                                        const c10::optional<at::Tensor>& mask, int64_t H,
+                                        bool causal, double scale, bool log_n, double p,
+                                        double min_keys, double tol, int64_t rows,
+                                        int64_t key_tile, const c10::optional<at::Tensor>& qr,
+                                        const c10::optional<at::Tensor>& kr) {
   const int64_t B = q.size(0);
   const View Q = check(q, "q", B, H), K = check(k, "k", B, H), V = check(v, "v", B, H);
   const Problem P = make_problem(B * H, H, q.size(2), k.size(2), q.size(3), v.size(3), mask,
                                  causal, scale, log_n, p, min_keys, tol, rows);
   const int64_t KT = round_up(std::max<int64_t>(1, key_tile), NB), D = P.d, DV = P.dv;
   const bool short_rows = P.t_k < 256;  // four partial sums per score (qk_tile)
+  const bool raw = qr.has_value() && kr.has_value() && bf16_dot();
+  const int64_t D2 = (D + 1) / 2;
+#if defined(LSSAR_BF16_DOT)
+  View16 QR, KR;
+  if (raw) {
+    QR = check16(*qr, "qr", B, H, P.t_q, D);
+    KR = check16(*kr, "kr", B, H, P.t_k, D);
+  }
+#endif
+  std::atomic<bool> nonfinite{false};
   // zeroed by blocks where they are computed (while in cache), not beforehand
   auto out = at::empty({B, H, P.t_q, DV}, q.options());
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows;
@@ -678,8 +904,10 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
   std::atomic<bool> underflow{false};
   at::parallel_for(0, P.BH * n_blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t RR = P.rows;
-    std::vector<float> slabs(round_up(P.t_k, NB) * D), mfb(RB * KT), n(RR), z(RR), amax(RR),
-        mu(RR), inv(RR), den(RR), c(RR);
+    std::vector<float> slabs(raw ? 0 : round_up(P.t_k, NB) * D), mfb(RB * KT), n(RR), z(RR),
+        amax(RR), mu(RR), inv(RR), den(RR), c(RR);
+    std::vector<uint32_t> slabs16(raw ? round_up(P.t_k, NB) * D2 : 0), qpk(raw ? RR * D2 : 0);
+    std::vector<float> ks(raw ? round_up(P.t_k, NB) : 0);
     std::vector<float> buf;  // LSSA: a micro-block's weights; LSSAR: the block's kept rows
     std::vector<int64_t> ends(RR);
     std::vector<char> has(RR);
@@ -692,7 +920,11 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
       std::fill(ob, ob + R * DV, 0.f);
       if (e_blk == 0) continue;
       if (packed != bh) {
-        pack_keys(K.row(bh, 0), K.ld, P.t_k, D, slabs.data());
+        if (!raw) pack_keys(K.row(bh, 0), K.ld, P.t_k, D, slabs.data());
+#if defined(LSSAR_BF16_DOT)
+        else if (!pack_keys_bf16(KR.row(bh, 0), KR.ld, P.t_k, D, slabs16.data(), ks.data()))
+          nonfinite = true;
+#endif
         packed = bh;
       }
       const float* qb = Q.row(bh, i0);
@@ -702,6 +934,14 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
         c[r] = P.row_scale(n[r]);
         ends[r] = P.row_end(i0 + r);
         z[r] = amax[r] = den[r] = 0.f;
+#if defined(LSSAR_BF16_DOT)
+        if (raw) {  // c_i / ||q_i||, the query's pairs scaled as the keys'
+          uint16_t* qrow = reinterpret_cast<uint16_t*>(qpk.data() + r * D2);
+          const float iq = scale_row_bf16(QR.row(bh, i0 + r), D, qrow);
+          if (std::isnan(iq)) nonfinite = true;
+          c[r] *= iq;
+        }
+#endif
       }
       const int64_t ld = P.reweight ? round_up(e_blk, NB) : KT;  // row stride of buf
       const int64_t need = P.reweight ? R * ld : RB * KT;
@@ -726,12 +966,36 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
           float* s = P.reweight ? buf.data() + m0 * ld + k0 : buf.data();
           with_rows(rn, [&](auto RBn) {
             constexpr int rb = decltype(RBn)::value;
-            if (short_rows)
-              score_tile<rb, 4>(qb + m0 * Q.ld, Q.ld, slabs.data(), D, k0, jend, rs, s, ld,
-                                z.data() + m0, amax.data() + m0);
+            float *zr = z.data() + m0, *ar = amax.data() + m0;
+            const float* qm = qb + m0 * Q.ld;
+            auto qk = [&](auto par) {
+              constexpr int PAR = decltype(par)::value;
+              return [&, qm](int64_t sl, Vec(*acc)[2]) {
+                qk_rows<rb, PAR>(qm, Q.ld, slabs.data() + sl * D * NB, D, acc);
+              };
+            };
+#if defined(LSSAR_BF16_DOT)
+            auto qk16 = [&](auto par) {
+              constexpr int PAR = decltype(par)::value;
+              const uint32_t* qm16 = qpk.data() + m0 * D2;
+              return [&, qm16](int64_t sl, Vec(*acc)[2]) {
+                qk_rows_bf16<rb, PAR>(qm16, D2, slabs16.data() + sl * D2 * NB, D2, acc);
+              };
+            };
+            if (raw && short_rows)
+              score_tile<rb, true>(qk16(std::integral_constant<int, 4>{}), ks.data(), k0, jend,
+                                   rs, s, ld, zr, ar);
+            else if (raw)
+              score_tile<rb, true>(qk16(std::integral_constant<int, 2>{}), ks.data(), k0, jend,
+                                   rs, s, ld, zr, ar);
             else
-              score_tile<rb, 2>(qb + m0 * Q.ld, Q.ld, slabs.data(), D, k0, jend, rs, s, ld,
-                                z.data() + m0, amax.data() + m0);
+#endif
+            if (short_rows)
+              score_tile<rb, false>(qk(std::integral_constant<int, 4>{}), nullptr, k0, jend, rs,
+                                    s, ld, zr, ar);
+            else
+              score_tile<rb, false>(qk(std::integral_constant<int, 2>{}), nullptr, k0, jend, rs,
+                                    s, ld, zr, ar);
             if (!P.reweight)
               pv_rows<rb>(s, ld, vb + k0 * V.ld, V.ld, jend, ob + m0 * DV, DV, DV);
           });
@@ -773,7 +1037,7 @@ std::tuple<at::Tensor, bool> forward(const at::Tensor& q, const at::Tensor& k, c
       }
     }
   });
-  return {out, underflow.load()};
+  return {out, nonfinite.load() ? 2 : underflow.load() ? 1 : 0};
 }
 
 // The backward's element-wise work on one row between the GEMMs: dP / den in `dp` (over the
@@ -815,11 +1079,13 @@ void score_grads(const Problem& P, const RowStats& st, const float* mf, const fl
   std::fill(dp + e, dp + e_blk, 0.f);
 }
 
-// grad [BH, T_q, Dv] -> (dq, dk, dv, any_underflow)
-std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
+// grad [BH, T_q, Dv] -> (dq, dk, dv, status): status as forward's (qr, kr: the cosines from the
+// bf16 inputs, cosines_bf16)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, int64_t H, bool causal, double scale, bool log_n,
-    double p, double min_keys, double tol, int64_t rows) {
+    double p, double min_keys, double tol, int64_t rows, const c10::optional<at::Tensor>& qr,
+    const c10::optional<at::Tensor>& kr) {
   const int64_t B = q.size(0);
   const View G = check(grad, "grad", B, H), Q = check(q, "q", B, H), K = check(k, "k", B, H),
              V = check(v, "v", B, H);
@@ -828,16 +1094,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
   // [B, H, T, D] contiguous, zeroed per head where they are computed
   auto dq = at::empty({B, H, P.t_q, P.d}, q.options());
   auto dk = at::empty({B, H, P.t_k, P.d}, q.options()), dvv = at::empty({B, H, P.t_k, P.dv}, q.options());
-  std::atomic<bool> underflow{false};
+  std::atomic<bool> underflow{false}, nonfinite{false};
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows, D = P.d, DV = P.dv;
+  const bool raw = qr.has_value() && kr.has_value() && bf16_dot();
+  const int64_t D2 = (D + 1) / 2;
+#if defined(LSSAR_BF16_DOT)
+  View16 QR, KR;
+  if (raw) {
+    QR = check16(*qr, "qr", B, H, P.t_q, D);
+    KR = check16(*kr, "kr", B, H, P.t_k, D);
+  }
+#endif
   float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gbuf, wbuf, dbuf, rbuf, gden(P.rows * DV), mfb(P.rows * P.t_k);
     std::vector<RowStats> stats(P.rows);
     std::vector<const float*> mfs(P.rows);
+    std::vector<uint32_t> slabs16(raw ? round_up(P.t_k, NB) * D2 : 0), qpk(raw ? P.rows * D2 : 0);
+    std::vector<float> ks(raw ? round_up(P.t_k, NB) : 0), qs(raw ? P.rows : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const float* kb = K.row(bh, 0);
       const float* vb = V.row(bh, 0);
+#if defined(LSSAR_BF16_DOT)
+      if (raw && !pack_keys_bf16(KR.row(bh, 0), KR.ld, P.t_k, D, slabs16.data(), ks.data()))
+        nonfinite = true;
+#endif
       std::fill(dkp + bh * P.t_k * D, dkp + (bh + 1) * P.t_k * D, 0.f);
       std::fill(dvp + bh * P.t_k * DV, dvp + (bh + 1) * P.t_k * DV, 0.f);
       for (int64_t blk = 0; blk < n_blocks; ++blk) {
@@ -853,7 +1134,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
         if (P.reweight) rbuf.resize(R * e_blk);
         const float* qb = Q.row(bh, i0);
         const float* gb = G.row(bh, i0);
-        gemm(R, e_blk, D, qb, Q.ld, kb, K.ld, true, 0.f, gbuf.data(), e_blk);  // cosines
+        if (!raw) gemm(R, e_blk, D, qb, Q.ld, kb, K.ld, true, 0.f, gbuf.data(), e_blk);  // cosines
+#if defined(LSSAR_BF16_DOT)
+        if (raw) {
+          for (int64_t r = 0; r < R; ++r) {
+            uint16_t* qrow = reinterpret_cast<uint16_t*>(qpk.data() + r * D2);
+            qs[r] = scale_row_bf16(QR.row(bh, i0 + r), D, qrow);
+            if (std::isnan(qs[r])) nonfinite = true;
+          }
+          if (P.t_k < 256)  // four partial sums on short rows, as the forward
+            cosines_bf16<4>(qpk.data(), qs.data(), R, slabs16.data(), ks.data(), D2, e_blk,
+                            gbuf.data(), e_blk);
+          else
+            cosines_bf16<2>(qpk.data(), qs.data(), R, slabs16.data(), ks.data(), D2, e_blk,
+                            gbuf.data(), e_blk);
+        }
+#endif
         for (int64_t r = 0; r < R; ++r) {
           const int64_t e = P.row_end(i0 + r);
           float n;
@@ -892,7 +1188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> backward(
       }
     }
   });
-  return {dq, dk, dvv, underflow.load()};
+  return {dq, dk, dvv, nonfinite.load() ? 2 : underflow.load() ? 1 : 0};
 }
 
 // ---------------------------------------------------------------------------- the decode step
@@ -1405,6 +1701,7 @@ at::Tensor unit_backward(const at::Tensor& dy, const at::Tensor& y, const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "fused softplus-l1 attention forward (float32, CPU, key-tiled)");
+  m.def("bf16_dot", &bf16_dot, "whether forward computes Q K^T of bf16 inputs on AVX512-BF16");
   m.def("backward", &backward, "fused softplus-l1 attention backward (float32, CPU)");
   m.def("decode", &decode, "fused softplus-l1 attention for a few queries over a KV cache");
   m.def("unit_forward", &unit_forward, "x / ||x|| per row (common.unit), and 1 / ||x|| kept");

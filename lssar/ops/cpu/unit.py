@@ -94,3 +94,18 @@ def unit_cpu(x: Tensor) -> Tensor:
         if kernel() is None:
             return unit(xc)
     return unit_cpu_op(xc)[0]
+
+
+def unit_no_grad(x: Tensor) -> Tensor:
+    """:func:`unit_cpu` without its op's dispatch, for calls that record no gradient (a decode
+    step's few queries, where the dispatch cost more than the arithmetic); eager only (the kernel
+    lookup is not traced)."""
+    xc = x.to(compute_dtype(x.dtype))
+    if xc.dtype != torch.float32 or xc.device.type != "cpu" or xc.shape[-1] == 0:
+        return unit(xc)
+    from lssar.ops.cpu.build import kernel
+
+    mod = kernel()
+    if mod is None:
+        return unit(xc)
+    return mod.unit_forward(xc.reshape(-1, xc.shape[-1]).contiguous())[0].reshape(xc.shape)
