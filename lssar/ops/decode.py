@@ -115,8 +115,9 @@ def _decode(
     p: float | None,
     k_inv: Tensor | None = None,
 ) -> Tensor:
-    """:func:`softplus_decode_op`'s body: eager calls run it directly (the op's dispatch cost a
-    third of a step's time at 1K keys; it has no gradient to record).
+    """The decode step, registered as the op :data:`softplus_decode_op`; eager calls run it
+    directly (the op's dispatch cost a third of a step's time at 1K keys; it has no gradient to
+    record).
 
     A few float32 queries ``q (B, H_q, T_q, D)`` (unit vectors when ``qk_norm``) over a cache
     ``k (B, H_k, T_k, D)``, ``v (B, H_k, T_k, D_v)`` of raw keys (float32, bf16 or fp16), ``H_q``
@@ -144,21 +145,8 @@ def _decode(
     return _eager_decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p)
 
 
-@torch.library.custom_op("lssar::softplus_decode", mutates_args=())
-def softplus_decode_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    is_causal: bool,
-    scale: float,
-    log_n: bool,
-    qk_norm: bool,
-    p: float | None,
-    k_inv: Tensor | None = None,
-) -> Tensor:
-    """The decode step of :func:`_decode` as an op (what torch.compile traces)."""
-    return _decode(q, k, v, mask, is_causal, scale, log_n, qk_norm, p, k_inv)
+# the decode step as an op (what torch.compile traces), its schema from _decode's signature
+softplus_decode_op = torch.library.custom_op("lssar::softplus_decode", _decode, mutates_args=())
 
 
 @softplus_decode_op.register_fake
