@@ -863,6 +863,28 @@ void cosines_bf16(const uint32_t* q, const float* qs, int64_t R, const uint32_t*
 }
 #endif
 
+// The bf16 q and k the host passed for Q K^T on the dot products (qr, kr), read in place: on
+// where both are given and the CPU has the instruction (bf16_dot)
+struct RawQK {
+  bool on = false;
+#if defined(LSSAR_BF16_DOT)
+  View16 q, k;
+#endif
+};
+
+RawQK raw_qk(const c10::optional<at::Tensor>& qr, const c10::optional<at::Tensor>& kr, int64_t B,
+             int64_t H, int64_t t_q, int64_t t_k, int64_t D) {
+  RawQK r;
+  r.on = qr.has_value() && kr.has_value() && bf16_dot();
+#if defined(LSSAR_BF16_DOT)
+  if (r.on) {
+    r.q = check16(*qr, "qr", B, H, t_q, D);
+    r.k = check16(*kr, "kr", B, H, t_k, D);
+  }
+#endif
+  return r;
+}
+
 // out [BH, T_q, Dv]; returns (out, status): 0, or 1 where a row's every softplus underflowed
 // (the host's eager path recomputes the call), 2 where bf16 inputs qr / kr (given: Q K^T from
 // them, see qk_tile_bf16) hold a NaN or an infinity (the host reruns without them).
@@ -887,15 +909,9 @@ std::tuple<at::Tensor, int64_t> forward(const at::Tensor& q, const at::Tensor& k
                                  causal, scale, log_n, p, min_keys, tol, rows);
   const int64_t KT = round_up(std::max<int64_t>(1, key_tile), NB), D = P.d, DV = P.dv;
   const bool short_rows = P.t_k < 256;  // four partial sums per score (qk_tile)
-  const bool raw = qr.has_value() && kr.has_value() && bf16_dot();
+  const RawQK RQ = raw_qk(qr, kr, B, H, P.t_q, P.t_k, D);
+  const bool raw = RQ.on;
   const int64_t D2 = (D + 1) / 2;
-#if defined(LSSAR_BF16_DOT)
-  View16 QR, KR;
-  if (raw) {
-    QR = check16(*qr, "qr", B, H, P.t_q, D);
-    KR = check16(*kr, "kr", B, H, P.t_k, D);
-  }
-#endif
   std::atomic<bool> nonfinite{false};
   // zeroed by blocks where they are computed (while in cache), not beforehand
   auto out = at::empty({B, H, P.t_q, DV}, q.options());
@@ -922,7 +938,7 @@ std::tuple<at::Tensor, int64_t> forward(const at::Tensor& q, const at::Tensor& k
       if (packed != bh) {
         if (!raw) pack_keys(K.row(bh, 0), K.ld, P.t_k, D, slabs.data());
 #if defined(LSSAR_BF16_DOT)
-        else if (!pack_keys_bf16(KR.row(bh, 0), KR.ld, P.t_k, D, slabs16.data(), ks.data()))
+        else if (!pack_keys_bf16(RQ.k.row(bh, 0), RQ.k.ld, P.t_k, D, slabs16.data(), ks.data()))
           nonfinite = true;
 #endif
         packed = bh;
@@ -937,7 +953,7 @@ std::tuple<at::Tensor, int64_t> forward(const at::Tensor& q, const at::Tensor& k
 #if defined(LSSAR_BF16_DOT)
         if (raw) {  // c_i / ||q_i||, the query's pairs scaled as the keys'
           uint16_t* qrow = reinterpret_cast<uint16_t*>(qpk.data() + r * D2);
-          const float iq = scale_row_bf16(QR.row(bh, i0 + r), D, qrow);
+          const float iq = scale_row_bf16(RQ.q.row(bh, i0 + r), D, qrow);
           if (std::isnan(iq)) nonfinite = true;
           c[r] *= iq;
         }
@@ -1096,15 +1112,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> backward(
   auto dk = at::empty({B, H, P.t_k, P.d}, q.options()), dvv = at::empty({B, H, P.t_k, P.dv}, q.options());
   std::atomic<bool> underflow{false}, nonfinite{false};
   const int64_t n_blocks = (P.t_q + P.rows - 1) / P.rows, D = P.d, DV = P.dv;
-  const bool raw = qr.has_value() && kr.has_value() && bf16_dot();
+  const RawQK RQ = raw_qk(qr, kr, B, H, P.t_q, P.t_k, D);
+  const bool raw = RQ.on;
   const int64_t D2 = (D + 1) / 2;
-#if defined(LSSAR_BF16_DOT)
-  View16 QR, KR;
-  if (raw) {
-    QR = check16(*qr, "qr", B, H, P.t_q, D);
-    KR = check16(*kr, "kr", B, H, P.t_k, D);
-  }
-#endif
   float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gbuf, wbuf, dbuf, rbuf, gden(P.rows * DV), mfb(P.rows * P.t_k);
@@ -1116,7 +1126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> backward(
       const float* kb = K.row(bh, 0);
       const float* vb = V.row(bh, 0);
 #if defined(LSSAR_BF16_DOT)
-      if (raw && !pack_keys_bf16(KR.row(bh, 0), KR.ld, P.t_k, D, slabs16.data(), ks.data()))
+      if (raw && !pack_keys_bf16(RQ.k.row(bh, 0), RQ.k.ld, P.t_k, D, slabs16.data(), ks.data()))
         nonfinite = true;
 #endif
       std::fill(dkp + bh * P.t_k * D, dkp + (bh + 1) * P.t_k * D, 0.f);
@@ -1139,7 +1149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> backward(
         if (raw) {
           for (int64_t r = 0; r < R; ++r) {
             uint16_t* qrow = reinterpret_cast<uint16_t*>(qpk.data() + r * D2);
-            qs[r] = scale_row_bf16(QR.row(bh, i0 + r), D, qrow);
+            qs[r] = scale_row_bf16(RQ.q.row(bh, i0 + r), D, qrow);
             if (std::isnan(qs[r])) nonfinite = true;
           }
           if (P.t_k < 256)  // four partial sums on short rows, as the forward
