@@ -66,6 +66,9 @@ M`` after the expression, M its margin: ``loss "A" - "B" @16 tost 0.02 = −0.06
 equivalent`` quotes TOST's 90% interval and says whether it lies inside (-M, M).
 
 Percent-valued text (``60.1 ± 6.9%``, ``−37.6 ± 9.3 points``) is compared as a fraction x 100.
+
+One module (~600 lines): one checker (markers -> the reports' numbers -> the prose's verdict
+words and numbers); its rules are only meaningful together.
 """
 
 from __future__ import annotations

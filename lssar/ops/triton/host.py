@@ -45,6 +45,10 @@ bucket) on the GPU; under the interpreter a fixed 16 x 16 tile is used. ``TRITON
 must be set before ``triton`` is first imported. Two Triton 3.9 interpreter defects are worked
 around only when interpreting: bf16 ``tl.dot`` (wrong: operands are upcast) and fp32 -> bf16
 stores (truncated: torch rounds the output instead).
+
+One module (~640 lines): the custom ops, their fakes and autograd, the launches they make and the
+public function share the private helpers (:class:`_Launch`, the span planes, the norms); a
+split would export those helpers only to import them back.
 """
 
 from typing import Any

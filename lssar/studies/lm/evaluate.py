@@ -20,6 +20,10 @@ Whether the keys beyond the training length L are used is measured beside every 
 - ``copy``: the copy probe at distances 2L .. 16L (a segment, other held-out text, the segment
   again: the loss on the second copy against the first), with the result's own attention span;
   ``own_window.copy`` is the same probes with the L-key window, which cannot see the first copy.
+
+One module (~690 lines): one command's job, ``lssar eval``: the measurements, the cache key over
+their settings, their tables and the options that name the same settings (the probes' own
+code is in :mod:`lssar.studies.lm.context` and :mod:`lssar.studies.lm.passkey`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Results are cached as JSON per build (key: the Triton source hash of the special
 target, options, Triton version) under ``$LSSAR_COMPILE_CACHE`` or
 ``~/.cache/lssar/compile_check``: a rerun recompiles only what changed. ``TRITON_INTERPRET=1``
 must not be set (the kernels would be decorated for the interpreter).
+
+One module (~630 lines): one developer tool's pipeline (grid -> launches -> builds -> cache ->
+table -> problems), each stage consumed only by the next; it ships in no kernel path.
 """
 
 from __future__ import annotations

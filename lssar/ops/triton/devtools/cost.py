@@ -37,6 +37,10 @@ taken to reproduce a Triton softmax at **0.7x FA3** (:data:`TRITON_VS_FA3`); a k
 "x SDPA flash" is its "x FA2-style" times ``0.7 FA3 / FA2`` (:func:`fa2_factor`) for that head
 dim and mode. The model's own TFLOP/s for the reference is printed beside it, so how far the
 model is from that assumption can be read off.
+
+One module (~720 lines): the FlashAttention-2-style reference kernels are defined here because
+this tool alone compiles them, beside the project's kernels, in the same tiles; moving them
+out would give them a module with no other user.
 """
 
 from __future__ import annotations
