@@ -173,11 +173,20 @@ def test_paper_regime_preset_is_head_dim_64_trained_4x_cpu():
     assert regime.seeds == [0, 1, 2] and "--jobs 2" in regime.budget
 
 
+def test_the_fp32_headline_preset_trains_in_fp32_in_runs_of_its_own():
+    fp32, regime = presets.PRESETS["cpu-paper-regime-fp32"], presets.PRESETS["cpu-paper-regime"]
+    assert fp32.train_preset == regime.train_preset and fp32.train == {"dtype": "fp32"}
+    assert len(fp32.seeds) >= 5 and fp32.passkey is None
+    # a run of the same name with bf16 autocast would be refused: the runs live apart
+    assert lm_study.runs_suffix(fp32) == "-dtype-fp32" and lm_study.runs_suffix(regime) == ""
+    assert lm_study.runs_suffix(fp32, smoke=True) == ""
+
+
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     assert cli_main(["reproduce", "--preset", "huge"]) == 2
     assert (
-        "choose from quick, cpu, cpu-baselines, cpu-decomposition, cpu-paper-regime, paper"
-        in capsys.readouterr().err
+        "choose from quick, cpu, cpu-baselines, cpu-decomposition, cpu-paper-regime, "
+        "cpu-paper-regime-fp32, paper" in capsys.readouterr().err
     )
     assert cli_main(["reproduce", "--preset", "paper"]) == 0
     plan = capsys.readouterr().out

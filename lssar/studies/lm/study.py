@@ -109,6 +109,14 @@ class CommandProgress:
         self._thread.join()
 
 
+def runs_suffix(preset: Preset, smoke: bool = False) -> str:
+    """``-dtype-fp32``: the training settings a preset sets over its training preset's, in its
+    runs directory's name (a run of other settings under the same name would be refused)."""
+    if smoke:  # a smoke test's runs live apart already
+        return ""
+    return "".join(f"-{k.replace('_', '-')}-{v}" for k, v in sorted(preset.train.items()))
+
+
 def paper_commands(preset: Preset, runs_dir: Path) -> list[str]:
     """The torchrun and eval commands of the paper preset (one line each, one per run)."""
     from lssar.train.config import load_config
@@ -300,7 +308,7 @@ def run_study(
     # Runs are named by the training preset, so presets that share it (quick, cpu) share runs;
     # a smoke test's live apart.
     kind = "smoke-" if smoke else ""
-    runs = Path(runs or f"runs/reproduce-{kind}{preset.train_preset}")
+    runs = Path(runs or f"runs/reproduce-{kind}{preset.train_preset}{runs_suffix(preset, smoke)}")
     out = Path(out or f"reports/{preset_name}-{kind}{dt.date.today().isoformat()}")
     name = f"{preset_name} --smoke" if smoke else preset_name
     study = LMStudy(name, preset, runs, out, list(overrides or []), progress and jobs == 1)
@@ -328,7 +336,8 @@ def parser() -> argparse.ArgumentParser:
         __doc__,
         PRESETS,
         ARMS,
-        runs="runs/reproduce-TRAIN_PRESET (runs/reproduce-smoke-TRAIN_PRESET with --smoke)",
+        runs="runs/reproduce-TRAIN_PRESET, with -KEY-VALUE for each training setting the preset "
+        "sets (runs/reproduce-smoke-TRAIN_PRESET with --smoke)",
         out="reports/PRESET-DATE (reports/PRESET-smoke-DATE with --smoke)",
         renamed={"--runs-dir": "--runs"},
     )
