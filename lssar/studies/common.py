@@ -250,12 +250,59 @@ class StudyRun(NamedTuple):
     seconds: float
 
 
+UNITS = "units"  # the report directory's folder of carried unit results
+
+
 class Study(abc.ABC):
     """The shape of every study: :meth:`units` (what the resolved preset trains and evaluates,
     one tuple per training run), :meth:`run_unit` (one unit: train or reuse the run, evaluate its
     arms), :meth:`write_report` (every unit's result, in unit order -> the report directory).
     :meth:`run` is that flow. With ``jobs > 1`` the units run in spawned workers, so a study
-    and its units must pickle."""
+    and its units must pickle.
+
+    A study whose units have a :meth:`unit_key` carries each finished unit's result in its
+    report directory (``out/units/<unit_file>``, with the key): the report directory is small
+    enough to commit, so a study longer than one machine's life continues on another, where the
+    same ``--out`` reuses every carried unit whose key still matches, without its runs. Each
+    result keeps the environment it was made in (commit, dirty flag), which a report counts."""
+
+    out: Path  # the report directory
+
+    def unit_key(self, *unit: Any) -> dict[str, Any] | None:
+        """What ``unit``'s result depends on, without this machine's paths (JSON values); a
+        carried result is reused only while its key matches. ``None`` (the default): the
+        study's units are not carried."""
+        return None
+
+    def unit_file(self, *unit: Any) -> str:
+        """The file name of ``unit``'s carried result in ``out/units/`` (with a key only)."""
+        raise NotImplementedError(f"{type(self).__name__} has unit keys but no unit_file")
+
+    def carried(self, *unit: Any) -> Any | None:
+        """``unit``'s result carried in the report directory, if its key still matches (a
+        damaged or outdated file: ``None``, and the unit runs again)."""
+        if (key := self.unit_key(*unit)) is None:
+            return None
+        path = self.out / UNITS / self.unit_file(*unit)
+        try:
+            prev = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if isinstance(prev, dict) and prev.get("key") == key:
+            return prev.get("results")
+        return None
+
+    def _run_or_carry(self, *unit: Any) -> Any:
+        """The unit's carried result, or :meth:`run_unit`'s, carried from now on (as it reads
+        back from JSON: a carried and a fresh result are the same values)."""
+        if (done := self.carried(*unit)) is not None:
+            return done
+        result = self.run_unit(*unit)
+        if (key := self.unit_key(*unit)) is None:
+            return result
+        text = json.dumps({"key": key, "results": result}, default=str)
+        atomic_write(self.out / UNITS / self.unit_file(*unit), text)
+        return json.loads(text)["results"]
 
     @abc.abstractmethod
     def units(self) -> list[tuple[Any, ...]]:
@@ -283,7 +330,8 @@ class Study(abc.ABC):
         started = time.time()
         units = self.units()
         names = [self.unit_name(*u) for u in units]
-        results = run_units(self.run_unit, units, jobs, on_done, self.check_unit, names)
+        check = lambda *u: None if self.carried(*u) is not None else self.check_unit(*u)  # noqa: E731
+        results = run_units(self._run_or_carry, units, jobs, on_done, check, names)
         seconds = time.time() - started
         return StudyRun(self.write_report(results, seconds), results, seconds)
 

@@ -3,6 +3,7 @@ and its decomposition rows, and the environment and conditions every result reco
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,51 @@ def test_conditions_say_which_commands_threads_and_isa_made_the_results():
     assert adhoc.startswith("**Not only the project's commands**: also `scripts/mine.py --x`")
     assert "; the project's: `lssar reproduce --preset cpu`" in adhoc
     assert "1 of 3 results do not record their command" in adhoc
+
+
+def test_finished_units_are_carried_in_the_report_directory(tmp_path, monkeypatch):
+    """A finished unit's results go to REPORT_DIR/units/<run>.json with its key, so the same
+    --out on a fresh machine (no runs) reuses them; a unit whose settings changed, or whose
+    file is damaged, runs again."""
+    calls: list = []
+
+    def fake_unit(preset, folder, arms, seed, runs, overrides, progress):
+        calls.append((arms, seed))
+        return [[{"arm": a, "seed": seed, "loss": {"128": 1.5}}] for a in arms]
+
+    monkeypatch.setattr(lm_study, "_train_and_evaluate", fake_unit)
+    monkeypatch.setattr(reproduce_report, "write_report", lambda n, p, rs, out, s: out)
+    out = tmp_path / "rep"
+    run = lambda runs, **kw: lm_study.run_study(  # noqa: E731
+        "quick", tmp_path / runs, out, progress=False, **kw
+    )
+    run("runs")
+    quick = presets.PRESETS["quick"]
+    files = sorted(p.name for p in (out / "units").iterdir())
+    assert files == [
+        "tiny-cpu-lssa-s0.json",
+        "tiny-cpu-lssar-p15-s0.json",
+        "tiny-cpu-softmax-s0.json",
+    ]
+    assert len(calls) == 3
+    doc = json.loads((out / "units" / "tiny-cpu-softmax-s0.json").read_text())
+    assert doc["key"]["train"]["seed"] == 0 and "out_dir" not in doc["key"]["train"]
+    assert doc["key"]["eval"] == {"multiples": quick.multiples, "eval_tokens": quick.eval_tokens}
+    assert [r[0]["arm"] for r in doc["results"]] == ["softmax", "window"]
+
+    # another machine: no runs directory, and a run there with other settings is not in the way
+    calls.clear()
+    stale = tmp_path / "elsewhere" / "tiny-cpu-softmax-s0"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text(json.dumps({"max_steps": 1}))
+    run("elsewhere")
+    assert calls == []
+    # other settings (here: the steps) are another key: every unit runs again
+    run("elsewhere2", overrides=["--max_steps=7"])
+    assert len(calls) == 3
+    # a damaged carried file runs its unit again, and is rewritten
+    calls.clear()
+    (out / "units" / "tiny-cpu-lssa-s0.json").write_text('{"key": ')
+    run("elsewhere3", overrides=["--max_steps=7"])
+    assert calls == [(("lssa",), 0)]
+    assert json.loads((out / "units" / "tiny-cpu-lssa-s0.json").read_text())["results"]

@@ -6,12 +6,10 @@ and its evaluations (each a JSON file in the run's ``eval/``, reused while its s
 model's weights and the evaluation code are unchanged). The study is resumable at every level:
 rerun the same command after a kill and it continues where it stopped.
 
-A finished unit's results are also kept in the report directory (``units/<arm>-s<seed>.json``,
-with the unit's settings as its key): the report directory is small enough to commit, so a study
-longer than one machine's life continues on another (``--arms``/``--seeds`` run a part of it;
-the same ``--out`` later reuses every carried unit whose settings match, without its runs). Each
-result keeps the environment it was made in (commit, dirty flag), which the report's first line
-counts.
+A finished unit's results are also carried in the report directory (``units/<arm>-s<seed>.json``,
+with the unit's settings as its key: :class:`lssar.studies.common.Study`), so a study longer than
+one machine's life continues on another (``--arms``/``--seeds`` run a part of it; the same
+``--out`` later reuses every carried unit whose settings match, without its runs).
 """
 
 from __future__ import annotations
@@ -25,13 +23,10 @@ from typing import Any
 from lssar import data
 from lssar.integrations import finetune as ft
 from lssar.integrations.pretrained import resolve_source, save_model
-from lssar.runio import atomic_write
 from lssar.studies.common import Study, select_arms, study_args, study_parser
 from lssar.studies.convert.presets import ARMS, ORIGINAL, PRESETS, SOFTMAX, TINY, Preset
 from lssar.studies.lm.evaluate_hf import evaluate_model
 from lssar.train.checkpoint import CONFIG, DONE, check_config, read_json, read_log
-
-UNITS = "units"  # the report directory's carried unit results
 
 
 def tiny_llama(out: Path, corpus: str = "shakespeare", seed: int = 0) -> Path:
@@ -213,30 +208,20 @@ class ConvertStudy(Study):
         p = self.preset
         return [(a, s) for s in p.seeds for a in p.arms if a != ORIGINAL or s == p.seeds[0]]
 
-    def carried(self, arm: str, seed: int) -> list[dict[str, Any]] | None:
-        """The unit's results carried in the report directory, if its key still matches."""
-        path = self.out / UNITS / unit_file(arm, seed)
-        try:
-            prev = read_json(path)
-        except ValueError:  # a damaged file: the unit runs again
-            return None
-        if prev and prev.get("key") == unit_key(self.preset, arm, seed):
-            return prev["results"]
-        return None
+    def unit_key(self, arm: str, seed: int) -> dict[str, Any]:
+        return unit_key(self.preset, arm, seed)
+
+    def unit_file(self, arm: str, seed: int) -> str:
+        return unit_file(arm, seed)
 
     def run_unit(self, arm: str, seed: int) -> list[dict[str, Any]]:
-        if (done := self.carried(arm, seed)) is not None:
-            return done
-        results = run_unit(self.preset, arm, seed, self.runs, self.progress)
-        doc = {"key": unit_key(self.preset, arm, seed), "results": results}
-        atomic_write(self.out / UNITS / unit_file(arm, seed), json.dumps(doc))
-        return results
+        return run_unit(self.preset, arm, seed, self.runs, self.progress)
 
     def check_unit(self, arm: str, seed: int) -> None:
         """Refuse a unit whose fine-tuning run exists with another config, before any unit
         starts (a pool that found it while running would have fine-tuned other arms with the
         new config meanwhile)."""
-        if arm == ORIGINAL or self.carried(arm, seed) is not None:  # no run of its own to check
+        if arm == ORIGINAL:  # no run of its own to check
             return
         cfg = finetune_config(self.preset, arm, seed, self.runs)
         run_dir = Path(cfg.out_dir) / cfg.name  # as ft.finetune finds it

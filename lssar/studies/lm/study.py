@@ -2,8 +2,11 @@
 
 Every arm of a preset shares data, seed, budget and model size; only the attention differs.
 Finished runs and evaluations are reused and unfinished runs resume, so re-running a preset
-continues where it stopped. The report (``reports/<preset>-<date>/REPORT.md`` + JSON + plots) is
-generated from the run directories by :mod:`lssar.studies.lm.report`.
+continues where it stopped. Each finished unit's results are carried in the report directory
+(``units/<run>.json``: :class:`lssar.studies.common.Study`), so the same ``--out`` on another
+machine continues the study without the runs of its finished units. The report
+(``reports/<preset>-<date>/REPORT.md`` + JSON + plots) is written by
+:mod:`lssar.studies.lm.report` from the units' results.
 """
 
 from __future__ import annotations
@@ -249,6 +252,33 @@ class LMStudy(Study):
     def run_unit(self, *unit: Any) -> list[list[dict[str, Any]]]:
         return _train_and_evaluate(*unit)
 
+    def unit_key(self, *unit: Any) -> dict[str, Any]:
+        """What a unit's results depend on: its run's training config (without where it lives
+        or how it is watched), its arms (their trained and eval-only rules) and the preset's
+        evaluation settings; the carried results of a unit are reused while it matches."""
+        from lssar.train.config import BOOKKEEPING
+
+        preset, _, arm_names, seed, runs, overrides, _ = unit
+        cfg = _unit_config(preset, arm_names, seed, runs, overrides)
+        pk_arms = preset.arms if preset.passkey_arms is None else preset.passkey_arms
+        arms = {
+            a: [ARMS[a].trained_label, ARMS[a].window, ARMS[a].own_rule]
+            + [e.label for e in ARMS[a].evals]
+            for a in arm_names
+        }
+        passkey = None if preset.passkey is None else dataclasses.asdict(preset.passkey)
+        train = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in BOOKKEEPING}
+        return json.loads(json.dumps({
+            "train": train,
+            "arms": arms,
+            "eval": {"multiples": preset.multiples, "eval_tokens": preset.eval_tokens},
+            "passkey": {a: passkey for a in arm_names if a in pk_arms},
+        }))  # fmt: skip
+
+    def unit_file(self, *unit: Any) -> str:
+        preset, _, arm_names, seed, *_ = unit
+        return f"{_run_name(preset.train_preset, ARMS[arm_names[0]], seed)}.json"
+
     def check_unit(self, *unit: Any) -> None:
         """Refuse a unit whose run exists with another config, before any unit starts: a
         refusal found by a running pool came after other units had trained with the new
@@ -316,7 +346,11 @@ def run_study(
 
     given = {**preset.train, **parse_overrides(list(overrides or []))}
     steps = load_config(preset.train_preset, given).max_steps
-    run_dirs = [runs / _run_name(preset.train_preset, ARMS[u[2][0]], u[3]) for u in study.units()]
+    run_dirs = [
+        runs / _run_name(preset.train_preset, ARMS[u[2][0]], u[3])
+        for u in study.units()
+        if study.carried(*u) is None  # a carried unit trains nothing here
+    ]
     tell = progress and int(os.environ.get("RANK", "0")) == 0
     if tell:
         print(
