@@ -142,7 +142,9 @@ def test_key_tiles_add_up_to_the_whole_row(p):
     whole, uf1 = mod.forward(q, k, v, *args, tk, None, None)
     tiled, uf2 = mod.forward(q, k, v, *args, 16, None, None)
     assert not uf1 and not uf2
-    assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6)
+    # the same sums in another order (tiles of 16 keys; AVX2 adds 8 lanes, AVX-512 16): the
+    # rounding scales with the outputs' size, not a fixed 1e-6 (AVX2 erred 1.9e-6 at |out| ~ 4)
+    assert torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6 * whole.abs().max().item())
 
 
 @pytest.mark.parametrize("p", [None, 15.0])
