@@ -53,7 +53,13 @@ passkey's distance from the question, and for ``sink`` the rows past the trainin
   @16 beyond`` over the rows past the training length; the arm ``"uniform"`` is uniform
   attention's mass over the same rows (``sink "lssa" / "uniform" @16 beyond``: how far above
   uniform);
-- ``recall "A" @16 beyond``, ``recall "A" - "B" @16 beyond``: recall accuracy.
+- ``recall "A" @16 beyond``, ``recall "A" - "B" @16 beyond``: recall accuracy;
+- ``own "A" @16``: the loss of ``A`` with every query limited to its own last L keys (the
+  own-window control), so ``loss "A" - own "A" @16`` is what the keys beyond L are worth (a
+  quantity after the operator may name its own kind: ``loss``, ``own``, ``copy``, ...);
+  ``copy "A" @16`` / ``firstcopy "A" @16``: the copy probe's loss on the second / first copy,
+  16 L apart; ``owncopy "A" @16``: the second copy with the own window (``copy "A" - owncopy
+  "A" @16`` below 0: ``A`` copies from 16 L back).
 
 A declared claim of an LM report (its "The paper's claims" list) is checked by its verdict after
 Holm's correction, recomputed from ``results.json``: ``claim "LSSAR beats softmax at" =
@@ -92,8 +98,8 @@ MARKER = re.compile(
 _CLAIM = re.compile(r'claim\s+"(?P<prefix>[^"]+)"$')
 _VERDICTS = ("supported", "contradicted", "within noise", "not separable at this power")
 _EXPR = re.compile(
-    r'(?P<q>loss|passkey|sink|recall)\s+"(?P<a>[^"]+)"'
-    r'(?:\s*(?P<op>[-/])\s*"(?P<b>[^"]+)")?'
+    r'(?P<q>loss|own|copy|owncopy|firstcopy|passkey|sink|recall)\s+"(?P<a>[^"]+)"'
+    r'(?:\s*(?P<op>[-/])\s*(?:(?P<qb>loss|own|copy|owncopy|firstcopy)\s+)?"(?P<b>[^"]+)")?'
     r"\s*@(?P<m>\d+)(?:(?P<lop>[/-])(?P<base>\d+))?(?:\s+(?P<dist>beyond|within|all))?"
     r"(?:\s+tost\s+(?P<margin>\d+(?:\.\d+)?))?$"
 )
@@ -147,8 +153,14 @@ def _seed_values(report: Path, q: str, arm: str, m: int, dist: str | None) -> di
             if label_of(r) != arm:
                 continue
             length = str(m * r["train_len"])
+            own = r.get("own_window") or {}
             if q == "loss":
                 v = r["loss"].get(length)
+            elif q == "own":
+                v = own.get("loss", {}).get(length)
+            elif q in ("copy", "firstcopy", "owncopy"):
+                probe = (own if q == "owncopy" else r).get("copy") or {}
+                v = probe.get("first" if q == "firstcopy" else "second", {}).get(length)
             elif q == "passkey" and dist in ("beyond", "within"):
                 b = (r.get("passkey") or {}).get("by_distance", {}).get(length, {}).get(dist)
                 v = b["hits"] / b["n"] if b and b["n"] else None
@@ -187,7 +199,7 @@ def values(report: Path, expr: str) -> list[float]:
         return [va[s] / vb[s] for s in seeds]
     if b is None:
         return [va[s] for s in sorted(va)]
-    vb = _seed_values(report, q, b, m, dist)
+    vb = _seed_values(report, e["qb"] or q, b, m, dist)
     seeds = sorted(set(va) & set(vb))
     if op == "-":
         return [va[s] - vb[s] for s in seeds]
@@ -321,7 +333,9 @@ _WORDS = re.compile(  # matched in the lowercased prose
     "|".join(rf"(?P<{kind}>\b(?:{'|'.join(w)})\b)" for kind, w in VERDICT_WORDS.items())
 )
 # lower is better for a loss, higher for an accuracy; a sink's mass is neither
-_HIGHER_IS_BETTER = {"loss": False, "passkey": True, "recall": True}
+_HIGHER_IS_BETTER = {"passkey": True, "recall": True} | dict.fromkeys(
+    ("loss", "own", "copy", "owncopy", "firstcopy"), False
+)
 # a note for numbers of a finding that no report holds (the paper's values, a chance level, a
 # threshold): <!-- given 1.04, 2.20: the paper's Table 2 -->
 GIVEN = re.compile(r"<!--\s*given\s+(?P<nums>[^:]+?):\s*(?P<why>.+?)\s*-->", re.S)

@@ -158,6 +158,46 @@ def test_passkey_by_distance_and_sink_beyond_the_training_length():
     assert abs(every_row - np.mean([np.mean(r["diagnostics"][at]["sink"]) for r in soft])) < 1e-12
 
 
+def test_own_window_and_copy_probe_quantities(tmp_path):
+    """``own`` (the own-window control's loss), ``copy`` / ``firstcopy`` / ``owncopy`` (the copy
+    probe) from an LM report's results, paired by seed with a quantity of another kind."""
+    rep = tmp_path / "reports" / "ctx"
+    rep.mkdir(parents=True)
+    base = json.loads((ROOT / CPU / "results.json").read_text())["results"]
+    results = [r for r in base if label_of(r) == "lssar p=15"]
+    at = str(16 * results[0]["train_len"])
+    for r, (full, own, second, alone) in zip(
+        results, [(2.0, 1.9, 1.5, 2.3), (2.1, 1.95, 1.6, 2.2), (2.05, 1.9, 1.4, 2.25)]
+    ):
+        probe = lambda s: {"first": {at: 2.4}, "second": {at: s}}  # noqa: E731
+        r["loss"][at], r["copy"] = full, probe(second)
+        r["own_window"] = {"window": r["train_len"], "loss": {at: own}, "copy": probe(alone)}
+    (rep / "results.json").write_text(json.dumps({"results": results}))
+    arm = label_of(results[0])
+
+    def got(expr):
+        text = f"\n- x\n  <!-- check reports/ctx: {expr} = 0 -->\n"
+        return check_text(text, tmp_path)[0].got.mean
+
+    assert got(f'own "{arm}" @16') == pytest.approx(1.9166667)
+    assert got(f'loss "{arm}" - own "{arm}" @16') == pytest.approx(0.1333333)
+    assert got(f'copy "{arm}" - owncopy "{arm}" @16') == pytest.approx(1.5 - 2.25)
+    assert got(f'copy "{arm}" - firstcopy "{arm}" @16') == pytest.approx(1.5 - 2.4)
+    # beyond noise, "better" is said of the full context here (its loss is higher: worse)
+    checks = check_text(
+        f"\n- Full context is worse than its own window: +0.13 ± 0.07.\n"
+        f'  <!-- check reports/ctx: loss "{arm}" - own "{arm}" @16 = +0.13 ± 0.07; sig -->\n',
+        tmp_path,
+    )
+    assert [c.problem for c in checks] == [None]
+    flipped = check_text(
+        f"\n- Full context beats its own window: +0.13 ± 0.07.\n"
+        f'  <!-- check reports/ctx: loss "{arm}" - own "{arm}" @16 = +0.13 ± 0.07; sig -->\n',
+        tmp_path,
+    )
+    assert any("makes it worse" in (c.problem or "") for c in flipped)  # 'beats' said of it
+
+
 def test_finding_paragraphs_of_the_studies_are_findings_too():
     text = (
         "# x\nWhat the committed reports show\n- a\n## Orbits\ntext that ties\n\n"
