@@ -183,11 +183,39 @@ def test_the_fp32_headline_preset_trains_in_fp32_in_runs_of_its_own():
     assert lm_study.runs_suffix(fp32, smoke=True) == ""
 
 
+def test_the_factorial_cells_change_one_thing_at_a_time():
+    """head dim x steps in fp32: each cell differs from its neighbours in head dim (heads at
+    width 128) or in steps (with their warmup) only; the d = 64 / 1,800 cell is the fp32
+    headline preset."""
+    cfg = {
+        (d, n): load_config(p.train_preset, p.train)
+        for (d, n), p in {
+            (32, 450): presets.PRESETS["cpu-cell-d32-450"],
+            (64, 450): presets.PRESETS["cpu-cell-d64-450"],
+            (32, 1800): presets.PRESETS["cpu-cell-d32-1800"],
+            (64, 1800): presets.PRESETS["cpu-paper-regime-fp32"],
+        }.items()
+    }
+    for (d, n), c in cfg.items():
+        assert (c.n_embd // c.n_head, c.max_steps, c.dtype) == (d, n, "fp32")
+    same = lambda a, b, *but: (
+        {  # noqa: E731
+            k for k, v in vars(cfg[a]).items() if getattr(cfg[b], k) != v
+        }
+        - {"preset", *but}
+    )
+    assert same((32, 450), (64, 450)) == {"n_head"}
+    assert same((32, 1800), (64, 1800)) == {"n_head"}
+    assert same((32, 450), (32, 1800)) == {"max_steps", "warmup_steps", "eval_every", "ckpt_every"}
+    runs = {lm_study.runs_suffix(presets.PRESETS[f"cpu-cell-d{d}-{n}"]) for d, n in cfg if n == 450}
+    assert len(runs) == 2  # the cells' runs live apart
+
+
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):
     assert cli_main(["reproduce", "--preset", "huge"]) == 2
     assert (
         "choose from quick, cpu, cpu-baselines, cpu-decomposition, cpu-paper-regime, "
-        "cpu-paper-regime-fp32, paper" in capsys.readouterr().err
+        "cpu-paper-regime-fp32, paper, cpu-cell-d32-450" in capsys.readouterr().err
     )
     assert cli_main(["reproduce", "--preset", "paper"]) == 0
     plan = capsys.readouterr().out

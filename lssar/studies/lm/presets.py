@@ -232,7 +232,8 @@ PRESETS = {
     # the headline without bf16 autocast: the paper-regime runs train under bf16 autocast, whose
     # kernels differ between hosts (a sibling host gave 16x/1x 1.103 for the committed 1.038 at
     # the same seed, config and data); fp32 training on 5 seeds, each arm with its own-window
-    # control and the copy probe. Its own runs directory (runs/reproduce-paper-regime-cpu-fp32)
+    # control and the copy probe (its runs: runs/reproduce-paper-regime-cpu-dtype-fp32); the
+    # d = 64 / 1,800-step cell of the factorial below
     "cpu-paper-regime-fp32": Preset(
         "the paper-regime headline trained in fp32 (no bf16 autocast): softmax, its "
         "sliding-window control and lssar p=15 at d = 64 (4 layers x 2 heads x 128 wide, 1,800 "
@@ -257,6 +258,32 @@ PRESETS = {
     ),
 }
 
+
+def _cell(head_dim: int, steps: int) -> Preset:
+    """One cell of the head dim x steps factorial, in fp32: the width-128 model of tiny-cpu
+    (450 steps, warmup 50) or of paper-regime-cpu (1,800 steps, warmup 100) with 128 / head_dim
+    heads; softmax, its window control and lssar p=15, 3 seeds, no passkey."""
+    base = {450: "tiny-cpu", 1800: "paper-regime-cpu"}[steps]
+    return Preset(
+        f"one cell of the head dim x steps factorial, in fp32: head dim {head_dim} "
+        f"({128 // head_dim} heads x 128 wide, 4 layers), {steps:,} steps ({base}'s schedule); "
+        "softmax, its sliding-window control and lssar p=15, 3 seeds, each with its own-window "
+        "control and the copy probe; no passkey",
+        base,
+        [SOFTMAX.label, WINDOW, LSSAR15.label],
+        seeds=[0, 1, 2],
+        eval_tokens=32768,
+        # from cpu-paper-regime-fp32's measured 0.39 s per fp32 step at one thread (idle), and
+        # about 0.7 s with two workers on the 2 cores
+        budget=f"~{round(6 * steps * 0.7 / 60 / 2 + 10, -1):.0f} min on 2 CPU cores with --jobs 2",
+        train={"dtype": "fp32", "n_head": 128 // head_dim},
+    )
+
+
+# The paper-regime preset changes head dim (32 -> 64, so heads 4 -> 2), steps (450 -> 1,800) and
+# warmup together; its factorial, in fp32, changes one at a time: cpu-paper-regime-fp32 is the
+# d = 64 / 1,800-step cell, these the other three
+PRESETS.update({f"cpu-cell-d{d}-{n}": _cell(d, n) for d, n in ((32, 450), (64, 450), (32, 1800))})
 
 SMOKE_STEPS = 3
 
