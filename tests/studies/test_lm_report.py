@@ -346,3 +346,18 @@ def test_passkey_section_is_inconclusive_until_learned(tmp_path, clean_env):
     assert "| softmax, sliding window 16 | 100.0 ± 0.0% (n=10) | 3.3 ± 14.3% (n=10) |" in text
     assert "- lssar p=15 vs the window control at 2x, key beyond L: **supported**" in text
     assert (tmp_path / "p" / "passkey.png").stat().st_size > 0
+
+
+def test_the_setting_says_how_the_runs_trained():
+    """Heads and head dim, and the resolved training precision from each run's environment
+    (bf16 autocast's kernels differ between hosts: a report says which it used)."""
+    from lssar.studies.lm.report import _heads, _precision
+
+    assert _heads({"n_head": 2, "n_embd": 128}) == "2 heads of dim 64"
+    assert _heads({}) == "? heads"
+    run = lambda name, a: {"run": name, "env": {"autocast": a} if a else {}}  # noqa: E731
+    assert _precision([run("a", "fp32"), run("a", "fp32"), run("b", "fp32")]) == "fp32"
+    assert _precision([run("a", "bf16"), run("b", "fp32"), run("c", "bf16")]) == (
+        "bf16 autocast (2 runs), fp32 (1 run)"
+    )
+    assert "not recorded" in _precision([run("a", None)])

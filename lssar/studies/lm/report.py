@@ -313,6 +313,27 @@ def one_seed_section(out: Path) -> list[str]:
     ]
 
 
+def _heads(cfg: dict[str, Any]) -> str:
+    """``"2 heads of dim 64"`` from a run's config (``"? heads"`` where it is not recorded)."""
+    h, w = cfg.get("n_head"), cfg.get("n_embd")
+    return f"{h} heads of dim {w // h}" if isinstance(h, int) and isinstance(w, int) else "? heads"
+
+
+def _precision(results: list[dict[str, Any]]) -> str:
+    """How the runs trained, from each run's environment: ``"fp32"``, ``"bf16 autocast"``, or
+    both with their counts; runs made before the resolved autocast was recorded are counted as
+    such (their config's ``dtype`` was ``auto``: bf16 autocast on a CPU with AVX512-BF16/AMX)."""
+    runs = {r["run"]: (r.get("env") or {}).get("autocast") for r in results}
+    names = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
+    counts: dict[str, int] = {}
+    for a in runs.values():
+        key = names.get(a, str(a)) if a else "a precision not recorded (older runs)"
+        counts[key] = counts.get(key, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{k} ({n} run{'s' * (n != 1)})" for k, n in counts.items())
+
+
 def write_report(
     preset_name: str, preset: Preset, results: list[dict[str, Any]], out: Path, seconds: float
 ) -> Path:
@@ -336,8 +357,9 @@ def write_report(
         f"({seconds / 60:.1f} min for this invocation; finished runs and evaluations are reused).",
         "",
         f"Setting: training length {train_len} tokens, {cfg.get('n_layer', '?')} layers, "
-        f"{cfg.get('n_embd', '?')} wide, tokenizer `{cfg.get('tokenizer', '?')}`, corpus "
-        f"`{cfg.get('corpus', '?')}`, {cfg.get('max_steps', '?')} steps, seeds {seeds}. "
+        f"{cfg.get('n_embd', '?')} wide, {_heads(cfg)}, tokenizer `{cfg.get('tokenizer', '?')}`, "
+        f"corpus `{cfg.get('corpus', '?')}`, {cfg.get('max_steps', '?')} steps, seeds {seeds}; "
+        f"trained in {_precision(results)}. "
         f"The sliding-window control is the softmax model evaluated with every query limited to "
         f"its last {train_len} keys (at the training length that is the causal mask, so it "
         "trains exactly as softmax).",
