@@ -198,15 +198,19 @@ def test_the_factorial_cells_change_one_thing_at_a_time():
     }
     for (d, n), c in cfg.items():
         assert (c.n_embd // c.n_head, c.max_steps, c.dtype) == (d, n, "fp32")
-    same = lambda a, b, *but: (
-        {  # noqa: E731
-            k for k, v in vars(cfg[a]).items() if getattr(cfg[b], k) != v
-        }
-        - {"preset", *but}
-    )
-    assert same((32, 450), (64, 450)) == {"n_head"}
-    assert same((32, 1800), (64, 1800)) == {"n_head"}
-    assert same((32, 450), (32, 1800)) == {"max_steps", "warmup_steps", "eval_every", "ckpt_every"}
+
+    def differ(a, b):
+        """The settings of cells a and b that differ (the preset's name aside)."""
+        return {k for k, v in vars(cfg[a]).items() if getattr(cfg[b], k) != v} - {"preset"}
+
+    assert differ((32, 450), (64, 450)) == {"n_head"}
+    assert differ((32, 1800), (64, 1800)) == {"n_head"}
+    assert differ((32, 450), (32, 1800)) == {
+        "max_steps",
+        "warmup_steps",
+        "eval_every",
+        "ckpt_every",
+    }
     runs = {lm_study.runs_suffix(presets.PRESETS[f"cpu-cell-d{d}-{n}"]) for d, n in cfg if n == 450}
     assert len(runs) == 2  # the cells' runs live apart
 
