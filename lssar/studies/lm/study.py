@@ -267,7 +267,13 @@ class LMStudy(Study):
             for a in arm_names
         }
         passkey = None if preset.passkey is None else dataclasses.asdict(preset.passkey)
-        train = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in BOOKKEEPING}
+        # a setting left unset (None) is left out, so a field added later with a None default
+        # does not make every carried unit stale
+        train = {
+            k: v
+            for k, v in dataclasses.asdict(cfg).items()
+            if k not in BOOKKEEPING and v is not None
+        }
         return json.loads(json.dumps({
             "train": train,
             "arms": arms,
