@@ -135,7 +135,8 @@ class AttentionSpec:
     def from_config(cls, cfg: Any) -> AttentionSpec:
         """The spec of a config object or dict in any stored form: ``attn`` + ``attn_options``
         + ``attn_impl`` (``GPTConfig``, HF ``config.json``) or ``attn`` + ``attn_p`` (+
-        ``attn_n``) + ``attn_impl`` (``TrainConfig``, a run's ``config.json``); missing keys take
+        ``attn_n``, ``attn_scale_dim``) + ``attn_impl`` (``TrainConfig``, a run's ``config.json``);
+        missing keys take
         the defaults (``softmax``, no options, ``auto``), as in run directories of every version."""
         get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
         options = dict(get("attn_options", None) or {})
@@ -143,6 +144,8 @@ class AttentionSpec:
             options["p"] = get("attn_p")
         if get("attn_n", None) is not None:
             options["n"] = get("attn_n")
+        if get("attn_scale_dim", None) is not None:
+            options["scale_dim"] = get("attn_scale_dim")
         return cls(get("attn", "softmax"), options, get("attn_impl", "auto") or "auto")
 
     def to_config(self) -> dict[str, Any]:
@@ -150,10 +153,12 @@ class AttentionSpec:
         return {"attn": self.name, "attn_options": dict(self.options), "attn_impl": self.impl}
 
     def to_train(self) -> dict[str, Any]:
-        """``{"attn", "attn_p", "attn_impl"}`` (and ``"attn_n"`` when the spec sets ``n``): the
-        ``TrainConfig`` form (whose options are ``p`` and ``n``; ``ValueError`` for others)."""
-        other = sorted(set(self.options) - {"p", "n"})
+        """``{"attn", "attn_p", "attn_impl"}`` (and ``"attn_n"`` / ``"attn_scale_dim"`` when the
+        spec sets ``n`` / ``scale_dim``): the ``TrainConfig`` form (whose options are ``p``, ``n``
+        and ``scale_dim``; ``ValueError`` for others)."""
+        fields = {"n": "attn_n", "scale_dim": "attn_scale_dim"}
+        other = sorted(set(self.options) - {"p", *fields})
         if other:
             raise ValueError(f"TrainConfig has no field for the option(s) {other} of {self.label}")
         out = {"attn": self.name, "attn_p": self.options.get("p"), "attn_impl": self.impl}
-        return out | ({"attn_n": self.options["n"]} if "n" in self.options else {})
+        return out | {f: self.options[k] for k, f in fields.items() if k in self.options}

@@ -182,7 +182,7 @@ def variant_weights(
     s = q @ k.transpose(-1, -2)
     scaling = variant["scaling"]
     if scaling == "log_n":
-        s = s * (math.log(d) * torch.log(n.clamp_min(1.0)))
+        s = s * (math.log(opts.get("scale_dim") or d) * torch.log(n.clamp_min(1.0)))
     elif scaling == "const":
         c = math.log(d) * math.log(opts["n"])
         s = s * (c if s_h is None else s_h.to(dtype).reshape(-1, 1, 1) * c)

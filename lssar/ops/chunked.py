@@ -403,7 +403,7 @@ def _softplus_attention(
 ) -> Tensor:
     if dropout_p > 0:
         raise ValueError("impl='chunked' has no dropout; use impl='reference' for dropout_p > 0")
-    c, log_n = variant.softplus_scale(query.shape[-1], scale)
+    c, log_n = variant.softplus_scale(query.shape[-1], scale, options)
     p = options.get("p")
     if decode_applies(query, key, value) if fused else is_decode_step(query, key, value):
         p = None if p is None else float(p)

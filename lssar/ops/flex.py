@@ -204,7 +204,7 @@ def flex_attention_impl(
         n = span_counts(spans, mask4)
     n = n.squeeze(-1).expand(B, H, t_q)
     inv_q, inv_k = inv_norm(query), inv_norm(key)  # (B, H, T_q), (B, H_kv, T_k)
-    cq = length_scale(n, d) * inv_q  # c_i / |q_i|  (B, H, T_q)
+    cq = length_scale(n, variant.scale_dim(d, options)) * inv_q  # c_i / |q_i|  (B, H, T_q)
     p = options.get("p")
     # LSSA needs no statistics: one call on every device; LSSAR on CPU cannot get the LSE
     fn = _sentinel_path if on_cpu and p is not None else _lse_path

@@ -49,7 +49,7 @@ def scores(
         q, k = unit(q), unit(k)
     s = q @ k.transpose(-1, -2)  # (B, H, T_q, T_k)
     if variant.scaling == "log_n":
-        return s * length_scale(n, d)
+        return s * length_scale(n, variant.scale_dim(d, options))
     if variant.scaling == "const":  # ln(d) ln(n) for every row, times a learned s_h if any
         c = variant.const_scale(d, options)
         return s * (c if "s" not in options else _per_head(options["s"], s) * c)

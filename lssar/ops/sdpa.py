@@ -86,7 +86,7 @@ def sdpa_attention(
             n = span_counts(spans, attn_mask)
         n = n.to(compute_dtype(query.dtype))
         if variant.scaling == "log_n":
-            c = length_scale(n, d)
+            c = length_scale(n, variant.scale_dim(d, options))
         else:  # ssmax
             s_h = torch.as_tensor(options["s"], dtype=n.dtype, device=query.device)
             s_h = s_h.reshape(1, -1, 1, 1) if s_h.dim() == 1 else s_h

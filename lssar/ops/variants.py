@@ -70,10 +70,17 @@ class Variant:
             raise ValueError(f"variant {self.name!r} has no constant scale")
         return math.log(d) * math.log(options["n"])
 
-    def softplus_scale(self, d: int, scale: float | None) -> tuple[float, bool]:
+    def scale_dim(self, d: int, options: dict[str, Any]) -> int:
+        """The ``d`` of the length scale ``ln(d) ln(N_i)``: the head dim, unless the option
+        ``scale_dim`` sets another (an ablation that changes only ``ln d``)."""
+        return options.get("scale_dim") or d
+
+    def softplus_scale(
+        self, d: int, scale: float | None, options: dict[str, Any] | None = None
+    ) -> tuple[float, bool]:
         """``(c, log_n)`` for the fused kernels: ``c_i = c ln(N_i)`` if ``log_n`` else ``c``."""
         if self.scaling == "log_n":
-            return math.log(d), True
+            return math.log(self.scale_dim(d, options or {})), True
         return (1.0 / math.sqrt(d) if scale is None else float(scale)), False
 
     def resolve(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -106,6 +113,12 @@ class Variant:
                 f"n (the length whose scale ln(d) ln(n) is frozen, e.g. the training length) "
                 f"must be a whole number >= 1, got {n!r}"
             )
+        sd = resolved.get("scale_dim")
+        if sd is not None and not (isinstance(sd, int) and not isinstance(sd, bool) and sd >= 2):
+            raise ValueError(
+                f"scale_dim (the d of the length scale ln(d) ln(N_i); none: the head dim) must be "
+                f"a whole number >= 2, got {sd!r}"
+            )
         s = resolved.get("s")
         if "s" in self.options and s is not None:
             if not isinstance(s, (torch.Tensor, int, float)):
@@ -130,6 +143,8 @@ def _v(name: str, summary: str, phi: str, l1: bool, **kw: Any) -> Variant:
     opts = kw.pop("options", {})
     if l1:
         opts = {"p": kw.pop("p", None), **opts}
+    if kw.get("scaling") == "log_n" and kw.get("qk_norm"):  # LSSA's scale ln(d) ln(N_i)
+        opts = {**opts, "scale_dim": None}
     return Variant(name, summary, phi, l1, options=opts, **kw)
 
 

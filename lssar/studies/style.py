@@ -53,6 +53,7 @@ COLOURS = {
     LSSA: "#2ca02c",
     "lssar p=3": "#e377c2",
     LSSAR15: "#d62728",
+    "lssar p=15 scale_dim=64": "#ad494a",  # the factorial's ln d arm: near LSSAR's red
     **{f"lssa -> lssar p={p} (eval only)": c for p, c in _REWEIGHT.items()},
     # the practitioner's alternatives: positions trained in, RoPE rescaled at eval
     "softmax + alibi": "#e6550d",
@@ -67,7 +68,7 @@ COLOURS = {
     "softmax-masses": "#393b79",
     "oracle": "#000000",
 }
-_SPARE = ["#ad494a", "#637939", "#a55194", "#6b6ecf", "#e7969c", "#17a768", "#b5cf6b"]
+_SPARE = ["#637939", "#a55194", "#6b6ecf", "#e7969c", "#17a768", "#b5cf6b"]
 
 MAX_LINES = 6  # lines in one panel of a line figure, references included
 

@@ -79,6 +79,9 @@ class TrainConfig:
     # -> attn_options {"n": ...}: the length whose scale the constant-scale variants freeze
     # (softmax-qknorm-const / -learned, lssa-const); None = the variant's default
     attn_n: int | None = None
+    # -> attn_options {"scale_dim": ...}: the d of LSSA's length scale ln(d) ln(N_i); None = the
+    # head dim (an ablation that changes only ln d)
+    attn_scale_dim: int | None = None
     attn_impl: str = "auto"
     # optimisation
     seq_len: int = 128
@@ -115,7 +118,8 @@ class TrainConfig:
 
     @property
     def attention(self) -> AttentionSpec:
-        """``attn`` + ``attn_p`` + ``attn_n`` + ``attn_impl`` as one spec (validated)."""
+        """``attn`` + ``attn_p`` + ``attn_n`` + ``attn_scale_dim`` + ``attn_impl`` as one spec
+        (validated)."""
         return AttentionSpec.from_config(self)
 
 
@@ -142,6 +146,8 @@ KEY_HELP: dict[str, str] = {
     "attn_p": "re-weighting power p of lssar / softmax-qknorm-logn; none: the variant's default",
     "attn_n": "the length whose scale the constant-scale variants freeze (softmax-qknorm-const / "
     "-learned, lssa-const); none: the variant's default",
+    "attn_scale_dim": "the d of LSSA's length scale ln(d) ln(N_i) (lssa, lssar, "
+    "softmax-qknorm-logn); none: the head dim",
     "attn_impl": "kernel: auto picks the fastest that runs the variant here; cpu is the fused "
     "CPU kernel, triton the GPU kernel, reference the materialised ground truth",
     "seq_len": "training length in tokens (the 1x of every evaluation)",

@@ -30,6 +30,7 @@ VARIANT_CASES = [
     ("softmax", {}),
     ("ssmax", {"s": 1.3}),
     ("softmax-qknorm-logn", {}),
+    ("lssar", {"scale_dim": 128}),  # the ln d ablation: ln(128) ln(N_i) whatever the head dim
     ("softmax-qknorm-const", {"n": 64}),
     ("softmax-qknorm-learned", {"n": 64, "s": 1.3}),
 ]
@@ -253,6 +254,30 @@ def test_constant_scale_variants_are_their_formula(name, phi, s_h):
         ref = attention_weights(q, k, is_causal=True, variant=VARIANTS[log_n], options={})[0]
         assert torch.allclose(w[:, n - 1], ref[:, n - 1], atol=1e-12)  # row n - 1 sees n keys
         assert not torch.allclose(w[:, -1], ref[:, -1], atol=1e-3)
+
+
+@pytest.mark.parametrize("name, phi", [("lssa", F.softplus), ("softmax-qknorm-logn", torch.exp)])
+def test_scale_dim_changes_only_the_d_of_ln_d(name, phi):
+    """``scale_dim``: c_i = ln(scale_dim) ln(N_i) at any head dim (the ablation that changes
+    only ln d); unset, the head dim's; a bad value is refused, naming the option."""
+    q, k, _ = _inputs((1, 2, 2, 9, 9, 16), torch.float64, seed=7)
+    w = attention_weights(q, k, is_causal=True, variant=VARIANTS[name], options={"scale_dim": 64})
+    for h in range(2):
+        for i in range(9):
+            cos = F.normalize(q[0, h, i], dim=-1) @ F.normalize(k[0, h, : i + 1], dim=-1).T
+            a = phi(math.log(64) * math.log(i + 1) * cos)
+            assert torch.allclose(w[0][h, i, : i + 1], a / a.sum(), atol=1e-12)
+    own = attention_weights(q, k, is_causal=True, variant=VARIANTS[name], options={})[0]
+    same = attention_weights(
+        q, k, is_causal=True, variant=VARIANTS[name], options={"scale_dim": 16}
+    )
+    assert torch.equal(own, same[0]) and not torch.allclose(own, w[0], atol=1e-3)
+    qf, kf, vf = (t.float() for t in _inputs((1, 2, 2, 9, 9, 16), torch.float64, seed=7))
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="scale_dim .* must be a whole number >= 2"):
+            lssar.attention(qf, kf, vf, variant=name, scale_dim=bad)
+    with pytest.raises(ValueError, match="takes no option 'scale_dim'"):
+        lssar.attention(qf, kf, vf, variant="softmax", scale_dim=64)
 
 
 def test_learned_scale_gradcheck_through_s_and_sdpa_agrees():

@@ -28,10 +28,13 @@ def _rms(err: torch.Tensor) -> float:
     return err.pow(2).mean().sqrt().item()
 
 
-def _check(name, p, shape, mask=None, causal=False, dtype=torch.float32, same_keys=False):
+def _check(
+    name, p, shape, mask=None, causal=False, dtype=torch.float32, same_keys=False, **options
+):
     """Output (and on CUDA the gradients) within 2x / 3x of the reference's own RMS error."""
     b, hq, hk, tq, tk, d = shape
     variant, opts = _variant(name, p)
+    opts.update(options)
     g = torch.Generator().manual_seed(tq * 31 + tk)
     q = torch.randn(b, hq, tq, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, hk, tk, d, generator=g, dtype=torch.float64)
@@ -76,6 +79,11 @@ def test_lssar_gqa_padding_causal():
 
 def test_lssa_kv_cache_causal():
     _check("lssa", None, (1, 2, 2, 5, 19, 32), causal=True)
+
+
+def test_scale_dim():
+    """The ln d ablation (``scale_dim``) reaches flex's length scale."""
+    _check("lssar", 15.0, (1, 2, 2, 9, 9, 32), causal=True, scale_dim=128)
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ from tests.ops.attention_inputs import _inputs
 def test_variants_listing():
     listing = {v["name"]: v for v in lssar.variants()}
     assert set(listing) == set(VARIANTS)
-    assert listing["lssar"]["options"] == {"p": 15.0}
-    assert listing["lssar-p3"]["options"] == {"p": 3.0}
+    assert listing["lssar"]["options"] == {"p": 15.0, "scale_dim": None}
+    assert listing["lssar-p3"]["options"] == {"p": 3.0, "scale_dim": None}
     assert "chunked" in listing["lssar"]["impls"] and "sdpa" in listing["softmax"]["impls"]
 
 

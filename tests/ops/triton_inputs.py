@@ -54,9 +54,11 @@ def _run(fn, q, k, v, grad, **kw):
 
 
 def _check(name, p, q, k, v, mask=None, causal=False, gqa=False, grads=True, mult=(2.0, 3.0),
-           **fast_kw):  # fmt: skip
-    """Fast vs reference error (both vs the float64 reference) for out and dq, dk, dv."""
+           options=None, **fast_kw):  # fmt: skip
+    """Fast vs reference error (both vs the float64 reference) for out and dq, dk, dv;
+    ``options`` over the variant's (``{"scale_dim": 128}``)."""
     variant, opts = _variant(name, p)
+    opts.update(options or {})
     dtype = q.dtype
     kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=gqa, variant=variant, options=opts)
     g = torch.Generator().manual_seed(123)

@@ -133,10 +133,13 @@ def test_reproduce_smoke_is_a_small_copy_of_the_preset_kept_apart(tmp_path, monk
 
 def _changes(a: str, b: str) -> int:
     """How many things two arms' trained rules differ in: phi (with its normalisation), the
-    scale rule (sdpa / ln N_i / frozen, with or without a learned s_h), QK-norm, re-weighting."""
+    scale rule (sdpa / ln N_i / frozen, with or without a learned s_h), the d of its ln d,
+    QK-norm, re-weighting."""
     va, vb = (VARIANTS[presets.ARMS[x].attention.name] for x in (a, b))
     pa, pb = (presets.ARMS[x].attention.options.get("p") for x in (a, b))
+    da, db = (presets.ARMS[x].attention.options.get("scale_dim") for x in (a, b))
     things = [
+        da != db,
         (va.phi, va.l1, va.divide_by_n) != (vb.phi, vb.l1, vb.divide_by_n),
         (va.scaling, "s" in va.options) != (vb.scaling, "s" in vb.options),
         va.qk_norm != vb.qk_norm,
@@ -213,6 +216,11 @@ def test_the_factorial_cells_change_one_thing_at_a_time():
     }
     runs = {lm_study.runs_suffix(presets.PRESETS[f"cpu-cell-d{d}-{n}"]) for d, n in cfg if n == 450}
     assert len(runs) == 2  # the cells' runs live apart
+    # the d = 32 cells carry the ln d arm: head dim 64's scale on the head-dim-32 model
+    lnd = presets.ARMS["lssar p=15 scale_dim=64"].attention
+    assert lnd.options == {"p": 15.0, "scale_dim": 64}
+    assert "lssar p=15 scale_dim=64" in presets.PRESETS["cpu-cell-d32-450"].arms
+    assert "lssar p=15 scale_dim=64" not in presets.PRESETS["cpu-cell-d64-450"].arms
 
 
 def test_reproduce_rejects_unknown_preset_and_prints_the_paper_plan(capsys):

@@ -614,7 +614,7 @@ def triton_attention(
     d, dv = query.shape[-1], value.shape[-1]
     if max(d, dv) > MAX_HEAD_DIM:
         raise ValueError(f"impl='triton' supports head dims up to {MAX_HEAD_DIM}, got {d}, {dv}")
-    c, log_n = variant.softplus_scale(d, scale)
+    c, log_n = variant.softplus_scale(d, scale, options)
     p = options.get("p")
     if variant.qk_norm:  # divide by the largest entry first: the in-kernel norm then sees
         # |x| in [1, sqrt(D)] (no eps, no overflow) at every scale; exact, the cosine is invariant

@@ -32,6 +32,8 @@ QK_CONST = AttentionSpec("softmax-qknorm-const")
 QK_LEARNED = AttentionSpec("softmax-qknorm-learned")
 LSSA_CONST = AttentionSpec("lssa-const")
 QKNORM15 = AttentionSpec("softmax-qknorm-logn", {"p": 15.0})
+# LSSAR with head dim 64's ln d in its scale, for a head-dim-32 model: changes only ln d
+LSSAR15_LND64 = AttentionSpec("lssar", {"p": 15.0, "scale_dim": 64})
 # the paper's fine-tuning-free mode: re-weighting applied to the LSSA model at evaluation only
 EVAL_REWEIGHT = tuple(AttentionSpec("lssar", {"p": p}) for p in (1.0, 3.0, 8.0, 15.0))
 # the practitioner's training-free RoPE scalings, each at factor = the length multiple (auto)
@@ -72,6 +74,13 @@ _DECOMPOSITION = (
     Arm(LSSA_CONST.label, LSSA_CONST, "LSSA with its scale frozen at the training length"),
     Arm(QKNORM15.label, QKNORM15, "softmax-qknorm-logn + re-weighting p = 15"),
 )
+# the factorial's ln d arm (the cpu-cell-d32-* presets)
+_LN_D = Arm(
+    LSSAR15_LND64.label,
+    LSSAR15_LND64,
+    "LSSAR p=15 with ln 64 ln N_i as its scale whatever the head dim (on head dim 32: only ln d "
+    "changes)",
+)
 _ALTERNATIVES = (
     # what a practitioner would use instead: positions trained in...
     Arm("softmax + alibi", SOFTMAX, "softmax with ALiBi instead of RoPE", pos="alibi"),
@@ -83,7 +92,7 @@ _ALTERNATIVES = (
         for kind, r in ROPE_EVALS.items()
     ),
 )
-ARMS = arm_table(*_PAPER, *_DECOMPOSITION, *_ALTERNATIVES)
+ARMS = arm_table(*_PAPER, *_DECOMPOSITION, _LN_D, *_ALTERNATIVES)
 # the arms the paper compares (docs/method.md section 6), and the window control
 PAPER_ARMS = [a.name for a in _PAPER]
 # the arms that separate QK-norm, the ln N growth, Softplus-l1 and re-weighting (with the cpu arms
@@ -262,20 +271,23 @@ PRESETS = {
 def _cell(head_dim: int, steps: int) -> Preset:
     """One cell of the head dim x steps factorial, in fp32: the width-128 model of tiny-cpu
     (450 steps, warmup 50) or of paper-regime-cpu (1,800 steps, warmup 100) with 128 / head_dim
-    heads; softmax, its window control and lssar p=15, 3 seeds, no passkey."""
+    heads; softmax, its window control and lssar p=15 (at head dim 32 also lssar p=15 with head
+    dim 64's ln d: the cell's ln d arm), 3 seeds, no passkey."""
     base = {450: "tiny-cpu", 1800: "paper-regime-cpu"}[steps]
+    runs = 3 * (2 + (head_dim == 32))  # softmax (its window shares the run), lssar, ln d arm
     return Preset(
         f"one cell of the head dim x steps factorial, in fp32: head dim {head_dim} "
         f"({128 // head_dim} heads x 128 wide, 4 layers), {steps:,} steps ({base}'s schedule); "
-        "softmax, its sliding-window control and lssar p=15, 3 seeds, each with its own-window "
-        "control and the copy probe; no passkey",
+        "softmax, its sliding-window control and lssar p=15"
+        + (" (and lssar p=15 with head dim 64's ln d in its scale)" if head_dim == 32 else "")
+        + ", 3 seeds, each with its own-window control and the copy probe; no passkey",
         base,
-        [SOFTMAX.label, WINDOW, LSSAR15.label],
+        [SOFTMAX.label, WINDOW, LSSAR15.label] + ([LSSAR15_LND64.label] if head_dim == 32 else []),
         seeds=[0, 1, 2],
         eval_tokens=32768,
         # from cpu-paper-regime-fp32's measured 0.39 s per fp32 step at one thread (idle), and
-        # about 0.7 s with two workers on the 2 cores
-        budget=f"~{round(6 * steps * 0.7 / 60 / 2 + 10, -1):.0f} min on 2 CPU cores with --jobs 2",
+        # about 0.7 s with two workers on the 2 cores (two runs at once), plus evaluations
+        budget=f"~{round(runs * steps * 0.7 / 120 + 10, -1):.0f} min on 2 CPU cores with --jobs 2",
         train={"dtype": "fp32", "n_head": 128 // head_dim},
     )
 

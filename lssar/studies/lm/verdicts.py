@@ -15,6 +15,7 @@ from lssar.studies.lm.presets import (
     LSSA_CONST,
     LSSAR3,
     LSSAR15,
+    LSSAR15_LND64,
     QK_CONST,
     QK_LEARNED,
     QKNORM,
@@ -331,6 +332,11 @@ DECOMPOSITION = [
         "LSSAR vs the strongest baseline (two changes: Softplus-l1, p=15)",
         LSSAR15.label,
         QKNORM.label,
+    ),
+    (
+        "ln 64 instead of ln d in LSSAR's scale (on head dim 32: only ln d)",
+        LSSAR15_LND64.label,
+        LSSAR15.label,
     ),
     ("LSSAR vs the sliding-window control", LSSAR15.label, WINDOW),
 ]
