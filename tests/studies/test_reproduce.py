@@ -349,3 +349,22 @@ def test_finished_units_are_carried_in_the_report_directory(tmp_path, monkeypatc
     run("elsewhere3", overrides=["--max_steps=7"])
     assert calls == [(("lssa",), 0)]
     assert json.loads((out / "units" / "tiny-cpu-lssa-s0.json").read_text())["results"]
+
+
+def test_report_only_rewrites_a_report_from_its_results(tmp_path, capsys):
+    """--report-only: the report rewritten from its own results.json with this version's
+    report code, its results unchanged; another preset's report, or no --out, is refused."""
+    src = Path(__file__).resolve().parents[2] / "reports" / "quick-2026-12-03"
+    out = tmp_path / "quick"
+    out.mkdir()
+    before = json.loads((src / "results.json").read_text())
+    (out / "results.json").write_text(json.dumps(before))
+    assert cli_main(["reproduce", "--preset", "quick", "--report-only", "--out", str(out)]) == 0
+    text = (out / "REPORT.md").read_text()
+    assert "Rewritten by `lssar reproduce --preset quick --report-only`" in text
+    assert json.loads((out / "results.json").read_text())["results"] == before["results"]
+    assert (out / "loss_vs_length.png").is_file()
+    assert cli_main(["reproduce", "--preset", "cpu", "--report-only", "--out", str(out)]) == 2
+    assert "a report of preset 'quick', not 'cpu'" in capsys.readouterr().err
+    assert cli_main(["reproduce", "--preset", "quick", "--report-only"]) == 2
+    assert "name it with --out DIR" in capsys.readouterr().err

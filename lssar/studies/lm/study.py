@@ -369,6 +369,26 @@ def run_study(
         return study.run(jobs).report
 
 
+def rewrite_report(preset_name: str, out: str | Path | None) -> Path:
+    """``--report-only``: the report in ``out`` rewritten from its own results.json (the same
+    runs and evaluations) with this version's report code; returns ``out``."""
+    if out is None:
+        raise ValueError("--report-only rewrites an existing report: name it with --out DIR")
+    out = Path(out)
+    try:
+        data = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--report-only: cannot read {out / 'results.json'} ({e})") from None
+    if data.get("preset") != preset_name:
+        raise ValueError(
+            f"--report-only: {out} is a report of preset {data.get('preset')!r}, not "
+            f"{preset_name!r}; pass --preset {data.get('preset')}"
+        )
+    return report.write_report(
+        preset_name, get_preset(preset_name), data["results"], out, 0.0, rewritten=True
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     """``lssar reproduce``'s options, each described (``lssar reproduce --help``)."""
     ap = study_parser(
@@ -386,6 +406,12 @@ def parser() -> argparse.ArgumentParser:
         "--execute",
         action="store_true",
         help="paper preset: run the torchrun commands here instead of printing them",
+    )
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite the report in --out from its results.json with this version's report "
+        "code: no training, no evaluation",
     )
     ap.add_argument(
         "--smoke",
@@ -411,6 +437,10 @@ def cli(argv: list[str]) -> int:
         )
         stamp = f"{'smoke-' if args.smoke else ''}{dt.date.today().isoformat()}"
         args.out = args.out or str(Path(args.reports_dir) / f"{args.preset}-{stamp}")
+    if args.report_only:
+        out = rewrite_report(args.preset, args.out)
+        print(f"report: {out / 'REPORT.md'}")
+        return 0
     if args.preset == "paper" and not args.execute:
         if args.smoke:
             raise ValueError("--smoke runs the paper preset here: add --execute")
