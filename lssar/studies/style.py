@@ -112,7 +112,7 @@ FAMILIES = {
     "softmax": Family("softmax, its window control and length scales"),
     "lssa": Family("Softplus-l1, LSSA and LSSAR"),
     "reweight": Family("LSSA re-weighted at evaluation only", refs=(LSSA, LSSAR15)),
-    "positions": Family("ALiBi and NoPE (trained in)"),
+    "positions": Family("ALiBi and NoPE (trained in)"),  # titled by the rules drawn
     "rope": Family("RoPE rescaled at evaluation only"),
     "pointwise": Family("sigmoid and relu: unnormalised, own y-scale", own_scale=True),
 }
@@ -130,6 +130,14 @@ def family(label: str) -> str:
     if k.startswith(("lssa", "softplus")):
         return "lssa"
     return "softmax"
+
+
+def _positions_title(arms: Iterable[str]) -> str:
+    """The positions panel's title, naming only the rules it draws: "ALiBi (trained in)"
+    without a NoPE arm."""
+    names = {"alibi": "ALiBi", "nope": "NoPE"}
+    kinds = [n for k, n in names.items() if any(key(a).endswith(f" + {k}") for a in arms)]
+    return f"{' and '.join(kinds)} (trained in)"
 
 
 @dataclass(frozen=True)
@@ -170,9 +178,10 @@ def facets(labels: Iterable[str], limit: int = MAX_LINES) -> list[Facet]:
         if room < 1:
             raise ValueError(f"limit={limit} leaves no room beside the references {refs}")
         n = math.ceil(len(arms) / room)
+        head = _positions_title(arms) if name == "positions" else fam.title
         for i in range(n):
             part = tuple(arms[len(arms) * i // n : len(arms) * (i + 1) // n])
-            title = fam.title if n == 1 else f"{fam.title} ({i + 1}/{n})"
+            title = head if n == 1 else f"{head} ({i + 1}/{n})"
             panels.append(Facet(title, part, refs, fam.own_scale))
     for p in list(panels):  # a reference on a panel of its own scale does not count
         shown = {r for q in panels if q is not p and not q.own_scale for r in q.refs}

@@ -152,6 +152,12 @@ def test_facets_split_and_keep_references():
     assert [p.arms for p in small] == [("softmax",), ("sigmoid",)] and small[1].own_scale
     with pytest.raises(ValueError, match="room"):
         facets(["softmax", "lssar p=15", "sigmoid"], limit=2)
+    # the positions panel names only the rules it draws (cpu-paper-regime has ALiBi, no NoPE)
+    many = ["softmax", "window", "softmax-qknorm-logn", "ssmax", "lssa", "lssar p=15"]
+    alibi = [p.title for p in facets([*many, "softmax + alibi"]) if "trained in" in p.title]
+    assert alibi == ["ALiBi (trained in)"]
+    both = facets([*many, "softmax + alibi", "softmax + nope"])
+    assert [p.title for p in both if "trained in" in p.title] == ["ALiBi and NoPE (trained in)"]
 
 
 def test_spread_says_what_is_shown():
