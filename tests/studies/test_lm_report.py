@@ -361,3 +361,6 @@ def test_the_setting_says_how_the_runs_trained():
         "bf16 autocast (2 runs), fp32 (1 run)"
     )
     assert "not recorded" in _precision([run("a", None)])
+    older = {"run": "a", "env": {}, "config": {"dtype": "auto"}}
+    assert _precision([older]).startswith("dtype auto, its resolved autocast not recorded")
+    assert _precision([{"run": "a", "env": {}, "config": {"dtype": "fp32"}}]) == "dtype fp32"

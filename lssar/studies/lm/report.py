@@ -321,13 +321,25 @@ def _heads(cfg: dict[str, Any]) -> str:
 
 def _precision(results: list[dict[str, Any]]) -> str:
     """How the runs trained, from each run's environment: ``"fp32"``, ``"bf16 autocast"``, or
-    both with their counts; runs made before the resolved autocast was recorded are counted as
-    such (their config's ``dtype`` was ``auto``: bf16 autocast on a CPU with AVX512-BF16/AMX)."""
-    runs = {r["run"]: (r.get("env") or {}).get("autocast") for r in results}
+    both with their counts; a run made before the resolved autocast was recorded is named by its
+    config's ``dtype``."""
+    runs = {
+        r["run"]: ((r.get("env") or {}).get("autocast"), (r.get("config") or {}).get("dtype"))
+        for r in results
+    }
     names = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
     counts: dict[str, int] = {}
-    for a in runs.values():
-        key = names.get(a, str(a)) if a else "a precision not recorded (older runs)"
+    for a, dtype in runs.values():
+        key = (
+            names.get(a, str(a))
+            if a
+            else f"dtype {dtype}, its resolved autocast not recorded (older runs; auto is bf16 "
+            "autocast on a CPU with AVX512-BF16 or AMX)"
+            if dtype == "auto"
+            else f"dtype {dtype}"
+            if dtype
+            else "a precision not recorded (older runs)"
+        )
         counts[key] = counts.get(key, 0) + 1
     if len(counts) == 1:
         return next(iter(counts))
