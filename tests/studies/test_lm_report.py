@@ -364,3 +364,15 @@ def test_the_setting_says_how_the_runs_trained():
     older = {"run": "a", "env": {}, "config": {"dtype": "auto"}}
     assert _precision([older]).startswith("dtype auto, its resolved autocast not recorded")
     assert _precision([{"run": "a", "env": {}, "config": {"dtype": "fp32"}}]) == "dtype fp32"
+
+
+def test_the_window_sentence_says_a_raw_verdict_that_holm_did_not_keep():
+    """LSSAR - window excluding 0 on its own, within noise after Holm: the sentence says both,
+    and does not call the interval "not separable"."""
+    from lssar.studies.lm.verdicts import _window_sentence
+
+    text = _window_sentence([0.10, 0.12, 0.14], "within noise")
+    assert text.startswith("Against the window control: lssar p=15 - window = 95% interval +0.120")
+    assert "says the window control does better; Holm's correction" in text
+    assert "not separable" not in text
+    assert "LSSAR does better" in _window_sentence([-0.10, -0.12, -0.14], "within noise")
