@@ -298,10 +298,13 @@ def install_kind() -> str:
     directory on ``sys.path`` that is no installed distribution, e.g. a checkout that shadows
     one installed elsewhere)."""
     here = Path(__file__).resolve().parent
-    try:
-        dist = metadata.distribution("lssar")
-    except metadata.PackageNotFoundError:
+    dists = list(metadata.distributions(name="lssar"))
+    if not dists:
         return "source"
+    # a checkout's build leftover (lssar.egg-info, found through the working directory on
+    # sys.path under `python -m`) comes first and has no direct_url.json: the installed
+    # distribution that has one says how lssar was installed
+    dist = next((d for d in dists if d.read_text("direct_url.json")), dists[0])
     try:
         direct = json.loads(dist.read_text("direct_url.json") or "{}")  # PEP 610
     except ValueError:

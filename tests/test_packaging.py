@@ -91,14 +91,23 @@ def test_install_kind(monkeypatch, where, direct_url, kind):
     if direct_url is not None and direct_url["url"] == "CHECKOUT":
         direct_url = {**direct_url, "url": package.parent.as_uri()}
 
-    def distribution(name: str) -> _Dist:
+    def distributions(name: str) -> list[_Dist]:
         assert name == "lssar"
-        if where is None:
-            raise runio.metadata.PackageNotFoundError(name)
-        return _Dist(roots[where], direct_url)
+        return [] if where is None else [_Dist(roots[where], direct_url)]
 
-    monkeypatch.setattr(runio.metadata, "distribution", distribution)
+    monkeypatch.setattr(runio.metadata, "distributions", distributions)
     assert runio.install_kind() == kind
+
+
+def test_install_kind_past_a_checkouts_egg_info(monkeypatch):
+    """`python -m lssar` from the checkout's root finds its lssar.egg-info (a build leftover,
+    no direct_url.json) before the editable install's dist-info: still "editable" (it once
+    said "wheel")."""
+    package = Path(runio.__file__).resolve().parent
+    editable = {"url": package.parent.as_uri(), "dir_info": {"editable": True}}
+    leftover, installed = _Dist(package.parent, None), _Dist(package.parent, editable)
+    monkeypatch.setattr(runio.metadata, "distributions", lambda name: [leftover, installed])
+    assert runio.install_kind() == "editable"
 
 
 def test_environment_records_version_install_cpu_and_autocast(monkeypatch):
