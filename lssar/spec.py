@@ -75,6 +75,10 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+# the variant options TrainConfig holds, and the field each lives in (``--attn_p`` ...)
+TRAIN_OPTION_FIELDS = {"p": "attn_p", "n": "attn_n", "scale_dim": "attn_scale_dim"}
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """``(name, options, impl)``: which attention rule, with which options, by which kernel.
@@ -136,16 +140,13 @@ class AttentionSpec:
         """The spec of a config object or dict in any stored form: ``attn`` + ``attn_options``
         + ``attn_impl`` (``GPTConfig``, HF ``config.json``) or ``attn`` + ``attn_p`` (+
         ``attn_n``, ``attn_scale_dim``) + ``attn_impl`` (``TrainConfig``, a run's ``config.json``);
-        missing keys take
-        the defaults (``softmax``, no options, ``auto``), as in run directories of every version."""
+        missing keys take the defaults (``softmax``, no options, ``auto``), as in run directories
+        of every version."""
         get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
         options = dict(get("attn_options", None) or {})
-        if get("attn_p", None) is not None:
-            options["p"] = get("attn_p")
-        if get("attn_n", None) is not None:
-            options["n"] = get("attn_n")
-        if get("attn_scale_dim", None) is not None:
-            options["scale_dim"] = get("attn_scale_dim")
+        for option, key in TRAIN_OPTION_FIELDS.items():
+            if get(key, None) is not None:
+                options[option] = get(key)
         return cls(get("attn", "softmax"), options, get("attn_impl", "auto") or "auto")
 
     def to_config(self) -> dict[str, Any]:
@@ -156,9 +157,10 @@ class AttentionSpec:
         """``{"attn", "attn_p", "attn_impl"}`` (and ``"attn_n"`` / ``"attn_scale_dim"`` when the
         spec sets ``n`` / ``scale_dim``): the ``TrainConfig`` form (whose options are ``p``, ``n``
         and ``scale_dim``; ``ValueError`` for others)."""
-        fields = {"n": "attn_n", "scale_dim": "attn_scale_dim"}
-        other = sorted(set(self.options) - {"p", *fields})
+        other = sorted(set(self.options) - set(TRAIN_OPTION_FIELDS))
         if other:
             raise ValueError(f"TrainConfig has no field for the option(s) {other} of {self.label}")
         out = {"attn": self.name, "attn_p": self.options.get("p"), "attn_impl": self.impl}
-        return out | {f: self.options[k] for k, f in fields.items() if k in self.options}
+        return out | {
+            f: self.options[k] for k, f in TRAIN_OPTION_FIELDS.items() if k in self.options
+        }
