@@ -323,27 +323,30 @@ def _precision(results: list[dict[str, Any]]) -> str:
     """How the runs trained, from each run's environment: ``"fp32"``, ``"bf16 autocast"``, or
     both with their counts; a run made before the resolved autocast was recorded is named by its
     config's ``dtype``."""
-    runs = {
-        r["run"]: ((r.get("env") or {}).get("autocast"), (r.get("config") or {}).get("dtype"))
-        for r in results
-    }
-    names = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
     counts: dict[str, int] = {}
-    for a, dtype in runs.values():
-        key = (
-            names.get(a, str(a))
-            if a
-            else f"dtype {dtype}, its resolved autocast not recorded (older runs; auto is bf16 "
-            "autocast on a CPU with AVX512-BF16 or AMX)"
-            if dtype == "auto"
-            else f"dtype {dtype}"
-            if dtype
-            else "a precision not recorded (older runs)"
+    runs = {r["run"]: r for r in results}  # a run evaluated several ways counts once
+    for r in runs.values():
+        key = _run_precision(
+            (r.get("env") or {}).get("autocast"), (r.get("config") or {}).get("dtype")
         )
         counts[key] = counts.get(key, 0) + 1
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{k} ({n} run{'s' * (n != 1)})" for k, n in counts.items())
+
+
+def _run_precision(autocast: str | None, dtype: str | None) -> str:
+    """One run's training precision: its recorded autocast, else its config's ``dtype``."""
+    if autocast:
+        return {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}.get(
+            autocast, autocast
+        )
+    if dtype == "auto":
+        return (
+            "dtype auto, its resolved autocast not recorded (older runs; auto is bf16 autocast "
+            "on a CPU with AVX512-BF16 or AMX)"
+        )
+    return f"dtype {dtype}" if dtype else "a precision not recorded (older runs)"
 
 
 def write_report(
