@@ -36,6 +36,7 @@ from lssar import clihelp
 from lssar.positions import RopeScaling, check_pos, with_pos
 from lssar.runio import RunFailure, atomic_write
 from lssar.spec import AttentionSpec
+from lssar.train.checkpoint import read_json
 
 
 @dataclass(frozen=True)
@@ -281,26 +282,24 @@ class Study(abc.ABC):
     def carried(self, *unit: Any) -> Any | None:
         """``unit``'s result carried in the report directory, if its key still matches (a
         damaged or outdated file: ``None``, and the unit runs again)."""
-        if (key := self.unit_key(*unit)) is None:
-            return None
-        path = self.out / UNITS / self.unit_file(*unit)
+        key = self.unit_key(*unit)
+        return None if key is None else self._carried_with(key, unit)
+
+    def _carried_with(self, key: dict[str, Any], unit: tuple[Any, ...]) -> Any | None:
         try:
-            prev = json.loads(path.read_text())
-        except (OSError, ValueError):
+            prev = read_json(self.out / UNITS / self.unit_file(*unit))
+        except ValueError:  # a damaged file
             return None
-        if isinstance(prev, dict) and prev.get("key") == key:
-            return prev.get("results")
-        return None
+        return prev.get("results") if isinstance(prev, dict) and prev.get("key") == key else None
 
     def _run_or_carry(self, *unit: Any) -> Any:
         """The unit's carried result, or :meth:`run_unit`'s, carried from now on (as it reads
         back from JSON: a carried and a fresh result are the same values)."""
-        if (done := self.carried(*unit)) is not None:
-            return done
-        result = self.run_unit(*unit)
         if (key := self.unit_key(*unit)) is None:
-            return result
-        text = json.dumps({"key": key, "results": result}, default=str)
+            return self.run_unit(*unit)
+        if (done := self._carried_with(key, unit)) is not None:
+            return done
+        text = json.dumps({"key": key, "results": self.run_unit(*unit)}, default=str)
         atomic_write(self.out / UNITS / self.unit_file(*unit), text)
         return json.loads(text)["results"]
 
