@@ -73,7 +73,7 @@ equivalent`` quotes TOST's 90% interval and says whether it lies inside (-M, M).
 
 Percent-valued text (``60.1 ± 6.9%``, ``−37.6 ± 9.3 points``) is compared as a fraction x 100.
 
-One module (~600 lines): one checker (markers -> the reports' numbers -> the prose's verdict
+One module (~620 lines): one checker (markers -> the reports' numbers -> the prose's verdict
 words and numbers); its rules are only meaningful together.
 """
 
